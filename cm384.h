@@ -1,0 +1,431 @@
+/* cm384.h -- a CloudMatrix384-style supernode in a process: an embeddable C
+ * library that loads a DeepSeek-style mixture-of-experts checkpoint and serves
+ * it with prefill, decode and caching as peer subsystems over one memory pool,
+ * experts spread over emulated devices, tokens dispatched to them and combined
+ * back.
+ *
+ * ---------------------------------------------------------------------------
+ * QUICK START
+ *
+ *     #include "cm384.h"
+ *
+ *     static int on_event(void *user, const cm384_event *ev) {
+ *         if (ev->kind == CM384_EV_TOKEN) fwrite(ev->text, 1, ev->text_len, stdout);
+ *         return 0;                                  // non-zero cancels the request
+ *     }
+ *
+ *     cm384_model *m; cm384_engine *e;
+ *     if (cm384_model_load("models/shakespeare", NULL, &m) != CM384_OK) {
+ *         fprintf(stderr, "%s\n", cm384_last_error());
+ *         return 1;
+ *     }
+ *     cm384_engine_create(m, NULL, &e);              // NULL = default config
+ *     cm384_sampling s; cm384_sampling_init(&s);     // greedy, 128 tokens
+ *     cm384_generate(e, "ROMEO:", NULL, 0, &s, on_event, NULL);
+ *     cm384_engine_free(e);
+ *     cm384_model_free(m);
+ *
+ * Build: compile cm384.c (it includes the ggml_like/ sources: one translation
+ * unit) and link with -lpthread -lm.  `cc -O2 -c cm384.c` builds everything.
+ *
+ * ---------------------------------------------------------------------------
+ * OBJECTS
+ *
+ *   cm384_model   weights (memory-mapped, in their stored type), tokenizer and
+ *                 chat template.  Immutable after load.
+ *   cm384_engine  the emulated supernode built on one model: devices, the
+ *                 shared pool (KV blocks, context-cache index, dispatch and
+ *                 combine buffers), worker threads and the scheduler.
+ *
+ * THREADING AND OWNERSHIP
+ *
+ *   - A model is read-only after cm384_model_load(): any number of threads and
+ *     engines may use it at once.  It must outlive every engine made from it.
+ *   - cm384_submit(), cm384_cancel(), cm384_wait(), cm384_get_stats() and
+ *     cm384_generate() may be called from any thread at the same time.
+ *     cm384_eval() and cm384_engine_free() must not run concurrently with any
+ *     other call on the same engine.
+ *   - The engine owns its worker threads and its scheduler thread; both are
+ *     joined by cm384_engine_free().  Request callbacks run on the engine's
+ *     scheduler thread, except in cm384_generate(), which delivers every event
+ *     on the calling thread.  A callback must not call cm384_engine_free() or
+ *     cm384_wait(); it may call cm384_submit() and cm384_cancel().
+ *   - Memory passed in (prompts, ids, configs) is copied before the call
+ *     returns.  Memory passed out in events is valid only during the callback.
+ *   - The library never prints, never calls exit() or abort() on bad input and
+ *     installs no signal handlers.
+ *
+ * ERRORS
+ *
+ *   Every fallible call returns an int: CM384_OK (0) or a negative cm384_status.
+ *   cm384_strerror(code) names the code; cm384_last_error() gives the detailed
+ *   message of the calling thread's last failed call (which file, which tensor,
+ *   what was expected), including a failed load.  Functions that return counts
+ *   (cm384_tokenize, cm384_detokenize, cm384_chat_render) return a negative
+ *   status on failure.
+ *
+ * STRUCTS
+ *
+ *   Option structs are passed by pointer, start with `size_t struct_size` and
+ *   are filled with defaults by their *_init() function; fields are only ever
+ *   appended.  Passing NULL means "all defaults".
+ * ---------------------------------------------------------------------------
+ */
+#ifndef CM384_H
+#define CM384_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+#ifdef __cplusplus
+extern "C" {
+#endif
+
+#ifndef CM384_API
+#  if defined(__GNUC__) && defined(CM384_SHARED)
+#    define CM384_API __attribute__((visibility("default")))
+#  else
+#    define CM384_API
+#  endif
+#endif
+
+#define CM384_VERSION_MAJOR 0
+#define CM384_VERSION_MINOR 1
+#define CM384_VERSION_PATCH 0
+CM384_API const char *cm384_version(void);
+
+/* ======================================================================== */
+/* Status codes (append-only; never renumbered)                            */
+/* ======================================================================== */
+
+enum cm384_status {
+    CM384_OK            =  0,
+    CM384_E_INVALID     = -1,  /* bad argument (NULL, out of range, unknown token id)   */
+    CM384_E_NOMEM       = -2,  /* an allocation or a memory map failed                  */
+    CM384_E_IO          = -3,  /* a file could not be opened or read                    */
+    CM384_E_FORMAT      = -4,  /* a file is malformed: bad JSON, truncated shard, header
+                                  past end of file, missing tensor, wrong shape         */
+    CM384_E_UNSUPPORTED = -5,  /* well-formed but not supported: model_type, dtype      */
+    CM384_E_CAPACITY    = -6,  /* does not fit: prompt longer than the context, pool    */
+    CM384_E_CANCELLED   = -7,  /* stopped by a callback or cm384_cancel()               */
+    CM384_E_MISUSE      = -8,  /* call not allowed in this state (e.g. engine on a
+                                  tokenizer-only model)                                 */
+    CM384_E_INTERNAL    = -9,  /* a bug: please report it                               */
+    CM384_E_NOT_FOUND   = -10  /* no such request id                                    */
+};
+
+/* Static name of a status code ("CM384_E_FORMAT: malformed file"). */
+CM384_API const char *cm384_strerror(int status);
+
+/* Detailed message of the calling thread's last failed call.  Never NULL
+ * ("" if none).  Valid until the next failing call on this thread. */
+CM384_API const char *cm384_last_error(void);
+
+/* ======================================================================== */
+/* 1. Loading a model                                                       */
+/* ======================================================================== */
+
+/* Progress of a long load: stage is "tensors", "quantize", ...; done and
+ * total count bytes or items of that stage.  Return non-zero to cancel the
+ * load (cm384_model_load then returns CM384_E_CANCELLED). */
+typedef int (*cm384_progress_fn)(void *user, const char *stage,
+                                 uint64_t done, uint64_t total);
+
+typedef struct cm384_load_opts {
+    size_t            struct_size;
+    cm384_progress_fn progress;       /* NULL = no progress reports              */
+    void             *progress_user;
+    int               use_mmap;       /* 1 (default): map the files; 0: read them
+                                         into memory                             */
+    int               check_values;   /* 1: scan weights for NaN/Inf (slow); 0   */
+} cm384_load_opts;
+
+CM384_API void cm384_load_opts_init(cm384_load_opts *o);
+
+typedef struct cm384_model cm384_model;
+
+/* Load a model.  path is one of:
+ *   - a Hugging Face model directory: config.json, model.safetensors or
+ *     sharded model-*.safetensors with model.safetensors.index.json,
+ *     tokenizer.json (+ tokenizer_config.json for the chat template);
+ *   - a tokenizer.json file: a tokenizer-only model.  Tokenizing,
+ *     detokenizing and chat rendering work; cm384_engine_create() fails
+ *     with CM384_E_MISUSE.
+ * Supported: model_type deepseek_v2 / deepseek_v3 (DeepSeek-V2, V2-Lite, V3,
+ * R1, and V3-layout models such as Moonlight and Kimi-K2); tensor dtypes F32,
+ * F16, BF16 and F8_E4M3 with 128x128 `weight_scale_inv` block scales.
+ * Weights are memory-mapped and used in their stored type.
+ * Errors: CM384_E_IO (cannot open/read), CM384_E_FORMAT (bad JSON, header
+ * length past end of file, truncated shard, missing tensor, wrong shape),
+ * CM384_E_UNSUPPORTED (model_type, dtype), CM384_E_NOMEM, CM384_E_CANCELLED.
+ * On failure *out is NULL and cm384_last_error() names the file and problem. */
+CM384_API int  cm384_model_load(const char *path, const cm384_load_opts *opts,
+                                cm384_model **out);
+CM384_API void cm384_model_free(cm384_model *m);         /* NULL is a no-op */
+
+/* What was loaded (all counts; 0 where not applicable). */
+typedef struct cm384_model_info {
+    size_t   struct_size;
+    char     model_type[32];         /* "deepseek_v3", "deepseek_v2", "tokenizer" */
+    int      vocab_size;             /* rows of the embedding (>= tokenizer ids)  */
+    int      n_layers, n_dense_layers, n_mtp_layers;
+    int      hidden_size, n_heads;
+    int      q_lora_rank, kv_lora_rank, qk_nope_head_dim, qk_rope_head_dim, v_head_dim;
+    int      n_routed_experts, n_shared_experts, n_experts_per_tok;
+    int      max_position_embeddings;
+    int      bos_id, eos_id;
+    uint64_t n_params, n_active_params;  /* active = per token                   */
+    uint64_t weight_bytes;               /* bytes of weights as stored            */
+    char     weight_dtype[16];           /* dominant stored dtype, e.g. "BF16"    */
+} cm384_model_info;
+CM384_API int cm384_model_get_info(const cm384_model *m, cm384_model_info *out);
+
+/* ======================================================================== */
+/* 2. Tokenizer and chat format                                             */
+/* ======================================================================== */
+
+/* Number of token ids the model accepts (the embedding's rows; for a
+ * tokenizer-only model, the tokenizer's id count). */
+CM384_API int cm384_vocab_size(const cm384_model *m);
+CM384_API int cm384_token_bos(const cm384_model *m);     /* -1 if none */
+CM384_API int cm384_token_eos(const cm384_model *m);     /* -1 if none */
+
+#define CM384_TOK_ADD_BOS     1u  /* prepend BOS (as transformers' encode() does)   */
+#define CM384_TOK_NO_SPECIAL  2u  /* treat added/special token text as plain text   */
+
+/* Tokenize len bytes of UTF-8 text.  flags 0 gives exactly Hugging Face's
+ * encode(text, add_special_tokens=False): added tokens are matched anywhere,
+ * then byte-level BPE with the model's pre-tokenizer.  Returns the number of
+ * ids (which may exceed cap: only cap are written, call again with a bigger
+ * buffer) or a negative status.  Invalid UTF-8 bytes are encoded as bytes. */
+CM384_API int cm384_tokenize(const cm384_model *m, const char *text, size_t len,
+                             int32_t *out, int cap, unsigned flags);
+
+/* Decode ids to UTF-8 text (snprintf convention: returns the length of the
+ * full text, writes at most cap-1 bytes plus a NUL when cap > 0).  Special
+ * tokens are written as their text.  Returns CM384_E_INVALID for an id out of
+ * range. */
+CM384_API int cm384_detokenize(const cm384_model *m, const int32_t *ids, int n,
+                               char *out, size_t cap);
+
+/* Streaming decode that never splits a UTF-8 code point: push ids one at a
+ * time; each call returns the bytes that became complete.  Bytes of an
+ * invalid sequence are flushed as U+FFFD once known to be invalid.  Zero-init
+ * or cm384_detok_stream_init() before use. */
+typedef struct cm384_detok_stream { unsigned char pending[8]; int n_pending; } cm384_detok_stream;
+CM384_API void cm384_detok_stream_init(cm384_detok_stream *s);
+/* Returns the number of bytes written to out (at most cap), or a negative
+ * status.  cap >= 64 always suffices for one token on the models we know; a
+ * longer piece returns CM384_E_CAPACITY and changes nothing. */
+CM384_API int  cm384_detok_stream_push(const cm384_model *m, cm384_detok_stream *s,
+                                       int32_t id, char *out, size_t cap);
+/* Flushes any incomplete tail as U+FFFD. */
+CM384_API int  cm384_detok_stream_flush(cm384_detok_stream *s, char *out, size_t cap);
+
+/* A chat message.  role is "system", "user", "assistant" or "tool".  An
+ * assistant message may carry tool calls (and a NULL content). */
+typedef struct cm384_tool_call {
+    const char *type;        /* "function" */
+    const char *name;
+    const char *arguments;   /* JSON text, written as is */
+} cm384_tool_call;
+
+typedef struct cm384_chat_msg {
+    const char            *role;
+    const char            *content;       /* may be NULL for an assistant tool call */
+    const cm384_tool_call *tool_calls;
+    int                    n_tool_calls;
+} cm384_chat_msg;
+
+#define CM384_CHAT_ADD_GENERATION_PROMPT 1u   /* end with the assistant prefix */
+
+/* Render a conversation in the model's chat format (DeepSeek-V3/R1's template
+ * from tokenizer_config.json, reproduced exactly), BOS written as text.
+ * Tokenize the result with flags 0.  snprintf convention. */
+CM384_API int cm384_chat_render(const cm384_model *m, const cm384_chat_msg *msgs, int n,
+                                unsigned flags, char *out, size_t cap);
+
+/* ======================================================================== */
+/* 3. The engine: an emulated supernode                                     */
+/* ======================================================================== */
+
+typedef void (*cm384_log_fn)(void *user, int level, const char *msg);
+
+typedef struct cm384_config {
+    size_t       struct_size;
+    /* topology */
+    int          n_devices;        /* emulated devices (default 384)                 */
+    int          n_workers;        /* OS threads running them (0 = online cores)     */
+    const char  *preset;           /* "default" (fastest on this host), "paper"
+                                      (CloudMatrix-Infer's layout scaled to the
+                                      model) or "single" (everything on device 0)    */
+    /* capacity */
+    int          max_ctx;          /* tokens per request, prompt + output
+                                      (0 = min(model max, 4096))                     */
+    int          max_batch;        /* concurrent decoding requests (0 = 64)          */
+    int          kv_block_tokens;  /* tokens per KV block (0 = 16)                   */
+    size_t       kv_pool_bytes;    /* KV block pool (0 = enough for max_batch
+                                      requests of max_ctx tokens)                    */
+    size_t       cache_bytes;      /* context-cache budget inside the pool
+                                      (0 = half the pool; (size_t)-1 = off)          */
+    int          prefill_chunk;    /* max prompt tokens per prefill step (0 = 512)   */
+    /* mechanisms, each switchable */
+    int          int8;             /* 1: W8A8 INT8 matmuls; 0 (default): stored type */
+    int          int8_dispatch;    /* 1 (default): quantize tokens to INT8 before
+                                      dispatch to expert devices; 0: fp32            */
+    int          microbatches;     /* 1 or 2 (default 2): overlap attention of one
+                                      microbatch with MoE of the other               */
+    int          mtp;              /* 1: speculative decoding with the MTP layer
+                                      when the model has one; 0 (default)            */
+    double       tpot_target_ms;   /* SLO: cap the decode batch to keep time per
+                                      output token under this (0 = no cap)           */
+    /* observability */
+    const char  *trace_path;       /* write a Chrome-trace JSON here (NULL = off)    */
+    cm384_log_fn log;              /* NULL = silent                                  */
+    void        *log_user;
+} cm384_config;
+
+CM384_API void cm384_config_init(cm384_config *c);
+
+typedef struct cm384_engine cm384_engine;
+
+/* Build an engine on a model: devices, the pool and worker threads.  The
+ * model must outlive the engine.  Errors: CM384_E_MISUSE (tokenizer-only
+ * model), CM384_E_INVALID (bad config), CM384_E_NOMEM. */
+CM384_API int  cm384_engine_create(const cm384_model *m, const cm384_config *cfg,
+                                   cm384_engine **out);
+/* Cancels what is still running (each request gets its final event), joins
+ * the threads and frees the engine.  NULL is a no-op. */
+CM384_API void cm384_engine_free(cm384_engine *e);
+
+/* Evaluate a fresh sequence of n ids (nothing cached, nothing kept).
+ * logits: n x vocab floats; row i predicts token i+1.  mtp_logits (may be
+ * NULL; needs a model with an MTP layer and n >= 2): (n-1) x vocab, row i
+ * predicts token i+2 from the main model's hidden state at i and ids[i+1].
+ * Must not run concurrently with other calls on the engine. */
+CM384_API int cm384_eval(cm384_engine *e, const int32_t *ids, int n,
+                         float *logits, float *mtp_logits);
+
+/* ======================================================================== */
+/* 4. Requests: sampling, events, submit / cancel / wait                    */
+/* ======================================================================== */
+
+typedef struct cm384_sampling {
+    size_t   struct_size;
+    float    temperature;    /* 0 (default) = greedy                          */
+    int      top_k;          /* 0 = off                                       */
+    float    top_p;          /* 1 = off                                       */
+    float    min_p;          /* 0 = off                                       */
+    uint64_t seed;           /* same seed, same tokens (default 0)            */
+    int      max_tokens;     /* tokens to generate (default 128)              */
+    int      ignore_eos;     /* 1: do not stop at EOS                         */
+} cm384_sampling;
+
+CM384_API void cm384_sampling_init(cm384_sampling *s);
+
+enum cm384_event_kind {
+    CM384_EV_TOKEN     = 1,  /* one generated token (text may be empty while a
+                                UTF-8 code point is incomplete)               */
+    CM384_EV_DONE      = 2,  /* final: finished (max_tokens or EOS)           */
+    CM384_EV_CANCELLED = 3,  /* final: cancelled                              */
+    CM384_EV_ERROR     = 4   /* final: failed (status says why)               */
+};
+
+typedef struct cm384_event {
+    size_t      struct_size;
+    uint64_t    id;           /* request id                                     */
+    int         kind;         /* cm384_event_kind                               */
+    int32_t     token;        /* CM384_EV_TOKEN: the token id                   */
+    const char *text;         /* its UTF-8 text (never splits a code point)     */
+    size_t      text_len;
+    int         status;       /* final events: CM384_OK or the error            */
+    int         n_prompt;     /* prompt tokens                                  */
+    int         n_cached;     /* prompt tokens served by the context cache      */
+    int         n_generated;  /* tokens generated so far                        */
+    double      ttft_ms;      /* time to first token (final events)             */
+    double      tpot_ms;      /* mean time per output token after the first     */
+} cm384_event;
+
+/* Return non-zero to cancel the request (it then gets CM384_EV_CANCELLED). */
+typedef int (*cm384_event_fn)(void *user, const cm384_event *ev);
+
+typedef struct cm384_request {
+    size_t                struct_size;
+    const char           *text;      /* prompt as UTF-8 text (tokenized with BOS)   */
+    size_t                text_len;  /* 0 = strlen(text)                            */
+    const int32_t        *ids;       /* or the prompt as ids (used when text NULL)  */
+    int                   n_ids;
+    const cm384_sampling *sampling;  /* NULL = defaults                             */
+    uint32_t              tenant;    /* context-cache namespace (default 0)         */
+    cm384_event_fn        on_event;  /* may be NULL                                 */
+    void                 *user;
+} cm384_request;
+
+CM384_API void cm384_request_init(cm384_request *r);
+
+/* Queue a request; returns at once.  *id_out (may be NULL) gets its id.  The
+ * request then ends with exactly one final event.  A request that cannot run
+ * (prompt longer than the context, unknown token id) is not queued: the call
+ * fails with CM384_E_CAPACITY / CM384_E_INVALID and no event is sent. */
+CM384_API int cm384_submit(cm384_engine *e, const cm384_request *r, uint64_t *id_out);
+
+/* Ask a request to stop; its final event is CM384_EV_CANCELLED.  Returns
+ * CM384_E_NOT_FOUND if the id is unknown or already finished. */
+CM384_API int cm384_cancel(cm384_engine *e, uint64_t id);
+
+/* Wait until the request has finished (timeout_ms < 0: forever) and return its
+ * final status (CM384_OK, CM384_E_CANCELLED, ...), or CM384_E_NOT_FOUND, or
+ * CM384_E_CAPACITY on timeout.  Any thread may wait; the result is kept until
+ * the first successful cm384_wait(). */
+CM384_API int cm384_wait(cm384_engine *e, uint64_t id, int timeout_ms);
+
+/* Wait until no request is queued or running. */
+CM384_API int cm384_wait_all(cm384_engine *e);
+
+/* Generate from a prompt (text, or ids when text is NULL) and deliver every
+ * event to fn on the calling thread; returns the final status. */
+CM384_API int cm384_generate(cm384_engine *e, const char *text, const int32_t *ids, int n_ids,
+                             const cm384_sampling *s, cm384_event_fn fn, void *user);
+
+/* ======================================================================== */
+/* 5. Observability                                                         */
+/* ======================================================================== */
+
+typedef struct cm384_stats {
+    size_t   struct_size;
+    /* requests and tokens */
+    uint64_t requests_submitted, requests_done, requests_cancelled, requests_failed;
+    uint64_t requests_preempted;
+    uint64_t tokens_prefilled;        /* prompt tokens computed                   */
+    uint64_t tokens_cached;           /* prompt tokens served by the context cache */
+    uint64_t tokens_decoded;          /* tokens generated                          */
+    uint64_t mtp_drafted, mtp_accepted;
+    double   cache_hit_ratio;         /* tokens_cached / prompt tokens             */
+    /* latency and throughput */
+    double   ttft_p50_ms, ttft_p99_ms, tpot_p50_ms, tpot_p99_ms;
+    double   prefill_tok_per_s, decode_tok_per_s;   /* over busy time            */
+    double   prefill_seconds, decode_seconds;
+    /* fabric */
+    uint64_t dispatch_bytes, combine_bytes;         /* what crossed the fabric     */
+    uint64_t dispatch_bytes_bf16, combine_bytes_bf16; /* what bf16 would have sent */
+    uint64_t kv_handoff_bytes;        /* prefill -> decode KV ownership moves       */
+    uint64_t messages;
+    /* pool */
+    uint64_t pool_bytes, kv_blocks_total, kv_blocks_used, kv_blocks_cached;
+    uint64_t cache_evictions;
+    /* placement */
+    int      n_devices, n_workers, n_prefill_devices, n_attn_devices, n_expert_devices;
+    double   expert_load_max_over_mean;   /* tokens per expert device, max/mean  */
+} cm384_stats;
+
+CM384_API int  cm384_get_stats(cm384_engine *e, cm384_stats *out);
+CM384_API void cm384_reset_stats(cm384_engine *e);
+
+/* Write a human-readable report (stats, traffic matrix summary, expert-load
+ * table) into buf (snprintf convention). */
+CM384_API int  cm384_report(cm384_engine *e, char *buf, size_t cap);
+
+#ifdef __cplusplus
+}
+#endif
+#endif /* CM384_H */

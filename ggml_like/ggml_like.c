@@ -1,0 +1,332 @@
+/* ggml_like.c -- portable kernels, kernel-set selection and the worker pool.
+ * Included by cm384.c (one translation unit); also compiles on its own. */
+#include "ggml_like.h"
+
+#include <math.h>
+#include <pthread.h>
+#include <stdatomic.h>
+#include <stdlib.h>
+#include <string.h>
+#include <unistd.h>
+
+/* ---------------------------------------------------------------------- */
+/* Conversions                                                            */
+/* ---------------------------------------------------------------------- */
+
+float gl_f16_to_f32(uint16_t h) {
+    uint32_t sign = (uint32_t)(h >> 15) << 31;
+    uint32_t exp = (h >> 10) & 0x1f, man = h & 0x3ff;
+    union { uint32_t u; float f; } v;
+    if (exp == 0) {
+        /* zero or subnormal: man * 2^-24 */
+        float f = (float)man * (1.0f / 16777216.0f);
+        return sign ? -f : f;
+    }
+    if (exp == 31) v.u = sign | 0x7f800000u | (man << 13);          /* inf / NaN */
+    else v.u = sign | ((exp + 112) << 23) | (man << 13);
+    return v.f;
+}
+
+uint16_t gl_f32_to_f16(float f) {
+    union { uint32_t u; float f; } v;
+    v.f = f;
+    uint32_t sign = (v.u >> 16) & 0x8000u;
+    float a = fabsf(f);
+    if (a != a) return (uint16_t)(sign | 0x7e00u);
+    if (a >= 65520.0f) return (uint16_t)(sign | 0x7c00u);
+    if (a < 6.103515625e-05f) {                     /* subnormal half */
+        return (uint16_t)(sign | (uint32_t)lrintf(a * 16777216.0f));
+    }
+    uint32_t u = v.u & 0x7fffffffu;
+    uint32_t lsb = (u >> 13) & 1u;
+    u += 0xfffu + lsb;                              /* round to nearest even */
+    return (uint16_t)(sign | (((u >> 23) - 112) << 10) | ((u >> 13) & 0x3ffu));
+}
+
+/* fp8 e4m3 ("fn": no infinities; S.1111.111 is NaN), bias 7. */
+float gl_f8e4m3_to_f32(uint8_t b) {
+    int sign = b >> 7, exp = (b >> 3) & 15, man = b & 7;
+    float f;
+    if (exp == 15 && man == 7) f = NAN;
+    else if (exp == 0) f = (float)man * (1.0f / 512.0f);          /* man/8 * 2^-6 */
+    else f = ldexpf(1.0f + (float)man / 8.0f, exp - 7);
+    return sign ? -f : f;
+}
+
+/* 256-entry table, built on first use; the table is constant once built and
+ * building it twice from two threads writes the same values. */
+static float gl_f8_table_values[256];
+static atomic_int gl_f8_table_ready;
+
+static const float *gl_f8_table(void) {
+    if (!atomic_load_explicit(&gl_f8_table_ready, memory_order_acquire)) {
+        static pthread_mutex_t mu = PTHREAD_MUTEX_INITIALIZER;
+        pthread_mutex_lock(&mu);
+        if (!atomic_load_explicit(&gl_f8_table_ready, memory_order_relaxed)) {
+            for (int i = 0; i < 256; i++) gl_f8_table_values[i] = gl_f8e4m3_to_f32((uint8_t)i);
+            atomic_store_explicit(&gl_f8_table_ready, 1, memory_order_release);
+        }
+        pthread_mutex_unlock(&mu);
+    }
+    return gl_f8_table_values;
+}
+
+void gl_row_to_f32(const gl_mat *w, int r, float *out) {
+    size_t off = (size_t)r * (size_t)w->cols;
+    int n = w->cols;
+    switch (w->type) {
+    case GL_F32: memcpy(out, (const float *)w->data + off, (size_t)n * 4); break;
+    case GL_F16: {
+        const uint16_t *p = (const uint16_t *)w->data + off;
+        for (int c = 0; c < n; c++) out[c] = gl_f16_to_f32(p[c]);
+        break;
+    }
+    case GL_BF16: {
+        const uint16_t *p = (const uint16_t *)w->data + off;
+        for (int c = 0; c < n; c++) out[c] = gl_bf16_to_f32(p[c]);
+        break;
+    }
+    case GL_F8_E4M3: {
+        const uint8_t *p = (const uint8_t *)w->data + off;
+        const float *t = gl_f8_table();
+        int bc = (w->cols + GL_F8_BLOCK - 1) / GL_F8_BLOCK;
+        const float *s = w->scale + (size_t)(r / GL_F8_BLOCK) * (size_t)bc;
+        for (int c = 0; c < n; c++) out[c] = t[p[c]] * s[c / GL_F8_BLOCK];
+        break;
+    }
+    case GL_Q8: {
+        const int8_t *p = (const int8_t *)w->data + off;
+        float s = w->scale[r];
+        for (int c = 0; c < n; c++) out[c] = (float)p[c] * s;
+        break;
+    }
+    }
+}
+
+/* ---------------------------------------------------------------------- */
+/* Scalar kernels                                                         */
+/* ---------------------------------------------------------------------- */
+/* Dot products accumulate in 8 independent lanes (c mod 8) that are summed
+ * pairwise at the end: the same fixed order for every call, and a shape the
+ * compiler vectorizes. */
+
+#define GL_LANES 8
+
+static float gl_lanes_sum(const float *acc) {
+    float a = (acc[0] + acc[4]) + (acc[2] + acc[6]);
+    float b = (acc[1] + acc[5]) + (acc[3] + acc[7]);
+    return a + b;
+}
+
+static float scalar_dot(const float *a, const float *b, int n) {
+    float acc[GL_LANES] = {0};
+    int c = 0;
+    for (; c + GL_LANES <= n; c += GL_LANES)
+        for (int l = 0; l < GL_LANES; l++) acc[l] += a[c + l] * b[c + l];
+    for (int l = 0; c < n; c++, l++) acc[l] += a[c] * b[c];
+    return gl_lanes_sum(acc);
+}
+
+static void scalar_axpy(float *y, const float *x, float a, int n) {
+    for (int i = 0; i < n; i++) y[i] += a * x[i];
+}
+
+/* One weight row converted to fp32 once, then dotted with every x row. */
+static void scalar_matmul(const gl_mat *w, const float *x, int n, int ldx,
+                          float *y, int ldy, int r0, int r1) {
+    float buf[4096];
+    float *row = w->cols <= 4096 ? buf : malloc((size_t)w->cols * sizeof(float));
+    if (!row) return;
+    for (int r = r0; r < r1; r++) {
+        gl_row_to_f32(w, r, row);
+        for (int i = 0; i < n; i++) y[(size_t)i * ldy + r] = scalar_dot(row, x + (size_t)i * ldx, w->cols);
+    }
+    if (row != buf) free(row);
+}
+
+static void scalar_matmul_q8(const gl_mat *w, const int8_t *xq, const float *xscale, int n, int ldx,
+                             float *y, int ldy, int r0, int r1) {
+    const int8_t *wq = (const int8_t *)w->data;
+    for (int r = r0; r < r1; r++) {
+        const int8_t *wr = wq + (size_t)r * w->cols;
+        for (int i = 0; i < n; i++) {
+            const int8_t *xr = xq + (size_t)i * ldx;
+            int32_t acc = 0;
+            for (int c = 0; c < w->cols; c++) acc += (int32_t)wr[c] * (int32_t)xr[c];
+            y[(size_t)i * ldy + r] = (float)acc * w->scale[r] * xscale[i];
+        }
+    }
+}
+
+static void scalar_quantize_q8(const float *x, int n, int cols, int ldx, int8_t *q, int ldq, float *scale) {
+    for (int i = 0; i < n; i++) {
+        const float *xr = x + (size_t)i * ldx;
+        int8_t *qr = q + (size_t)i * ldq;
+        float amax = 0;
+        for (int c = 0; c < cols; c++) { float a = fabsf(xr[c]); if (a > amax) amax = a; }
+        float s = amax / 127.0f, inv = amax > 0 ? 127.0f / amax : 0;
+        for (int c = 0; c < cols; c++) {
+            long v = lrintf(xr[c] * inv);
+            qr[c] = (int8_t)(v > 127 ? 127 : v < -127 ? -127 : v);
+        }
+        scale[i] = s;
+    }
+}
+
+static const gl_kernels gl_scalar_kernels = {
+    "scalar", scalar_matmul, scalar_matmul_q8, scalar_quantize_q8, scalar_dot, scalar_axpy,
+};
+
+const gl_kernels *gl_kernels_scalar(void) { return &gl_scalar_kernels; }
+
+const gl_kernels *gl_kernels_get(void) { return &gl_scalar_kernels; }
+
+int gl_kernels_all(const gl_kernels **out, int cap) {
+    int n = 0;
+    if (n < cap) out[n] = &gl_scalar_kernels;
+    n++;
+    return n;
+}
+
+void gl_quantize_weight_q8(const gl_mat *w, int8_t *q, float *scale, int r0, int r1) {
+    float buf[4096];
+    float *row = w->cols <= 4096 ? buf : malloc((size_t)w->cols * sizeof(float));
+    if (!row) return;
+    for (int r = r0; r < r1; r++) {
+        gl_row_to_f32(w, r, row);
+        gl_scalar_kernels.quantize_q8(row, 1, w->cols, w->cols, q + (size_t)r * w->cols, w->cols, &scale[r]);
+    }
+    if (row != buf) free(row);
+}
+
+/* ---------------------------------------------------------------------- */
+/* Worker pool                                                            */
+/* ---------------------------------------------------------------------- */
+/* Workers wait for a new "generation" of work: they spin briefly (a decode
+ * step issues many short parallel regions) and then sleep on a condition
+ * variable.  Tasks are claimed from an atomic counter. */
+
+struct gl_pool {
+    int              n;                 /* workers including the caller        */
+    pthread_t       *threads;
+    pthread_mutex_t  mu;
+    pthread_cond_t   wake, done_cv;
+    atomic_int       generation;        /* bumped for each gl_pool_run          */
+    atomic_int       next_task;
+    atomic_int       n_tasks;
+    atomic_int       busy;              /* workers still in the current region  */
+    atomic_int       stop;
+    gl_task_fn       fn;
+    void            *ctx;
+};
+
+typedef struct { gl_pool *p; int id; } gl_worker_arg;
+
+static void gl_pool_work(gl_pool *p, int worker) {
+    int n = atomic_load_explicit(&p->n_tasks, memory_order_acquire);
+    for (;;) {
+        int t = atomic_fetch_add_explicit(&p->next_task, 1, memory_order_relaxed);
+        if (t >= n) break;
+        p->fn(p->ctx, t, worker);
+    }
+}
+
+static void *gl_worker_main(void *arg) {
+    gl_worker_arg *wa = arg;
+    gl_pool *p = wa->p;
+    int id = wa->id;
+    free(wa);
+    int seen = 0;
+    for (;;) {
+        int spins = 0, g;
+        while ((g = atomic_load_explicit(&p->generation, memory_order_acquire)) == seen &&
+               !atomic_load_explicit(&p->stop, memory_order_acquire)) {
+            if (++spins < 20000) continue;
+            pthread_mutex_lock(&p->mu);
+            while (atomic_load_explicit(&p->generation, memory_order_acquire) == seen &&
+                   !atomic_load_explicit(&p->stop, memory_order_acquire))
+                pthread_cond_wait(&p->wake, &p->mu);
+            pthread_mutex_unlock(&p->mu);
+        }
+        if (atomic_load_explicit(&p->stop, memory_order_acquire)) break;
+        seen = g;
+        gl_pool_work(p, id);
+        if (atomic_fetch_sub_explicit(&p->busy, 1, memory_order_acq_rel) == 1) {
+            pthread_mutex_lock(&p->mu);
+            pthread_cond_signal(&p->done_cv);
+            pthread_mutex_unlock(&p->mu);
+        }
+    }
+    return NULL;
+}
+
+int gl_n_cpus(void) {
+    long n = sysconf(_SC_NPROCESSORS_ONLN);
+    return n < 1 ? 1 : (int)n;
+}
+
+gl_pool *gl_pool_create(int n_threads) {
+    if (n_threads < 1) n_threads = 1;
+    gl_pool *p = calloc(1, sizeof *p);
+    if (!p) return NULL;
+    p->n = n_threads;
+    pthread_mutex_init(&p->mu, NULL);
+    pthread_cond_init(&p->wake, NULL);
+    pthread_cond_init(&p->done_cv, NULL);
+    if (n_threads > 1) {
+        p->threads = calloc((size_t)n_threads - 1, sizeof(pthread_t));
+        if (!p->threads) { gl_pool_free(p); return NULL; }
+        for (int i = 1; i < n_threads; i++) {
+            gl_worker_arg *wa = malloc(sizeof *wa);
+            if (!wa) { p->n = i; gl_pool_free(p); return NULL; }
+            wa->p = p; wa->id = i;
+            if (pthread_create(&p->threads[i - 1], NULL, gl_worker_main, wa) != 0) {
+                free(wa); p->n = i; gl_pool_free(p); return NULL;
+            }
+        }
+    }
+    return p;
+}
+
+void gl_pool_free(gl_pool *p) {
+    if (!p) return;
+    pthread_mutex_lock(&p->mu);
+    atomic_store_explicit(&p->stop, 1, memory_order_release);
+    pthread_cond_broadcast(&p->wake);
+    pthread_mutex_unlock(&p->mu);
+    for (int i = 1; i < p->n; i++) pthread_join(p->threads[i - 1], NULL);
+    free(p->threads);
+    pthread_mutex_destroy(&p->mu);
+    pthread_cond_destroy(&p->wake);
+    pthread_cond_destroy(&p->done_cv);
+    free(p);
+}
+
+int gl_pool_size(const gl_pool *p) { return p ? p->n : 1; }
+
+void gl_pool_run(gl_pool *p, int n_tasks, gl_task_fn fn, void *ctx) {
+    if (n_tasks <= 0) return;
+    if (!p || p->n == 1 || n_tasks == 1) {
+        for (int t = 0; t < n_tasks; t++) fn(ctx, t, 0);
+        return;
+    }
+    p->fn = fn;
+    p->ctx = ctx;
+    atomic_store_explicit(&p->next_task, 0, memory_order_relaxed);
+    atomic_store_explicit(&p->n_tasks, n_tasks, memory_order_relaxed);
+    atomic_store_explicit(&p->busy, p->n - 1, memory_order_relaxed);
+    pthread_mutex_lock(&p->mu);
+    atomic_fetch_add_explicit(&p->generation, 1, memory_order_acq_rel);
+    pthread_cond_broadcast(&p->wake);
+    pthread_mutex_unlock(&p->mu);
+    gl_pool_work(p, 0);
+    /* wait for the other workers to leave the region */
+    int spins = 0;
+    while (atomic_load_explicit(&p->busy, memory_order_acquire) > 0) {
+        if (++spins < 20000) continue;
+        pthread_mutex_lock(&p->mu);
+        while (atomic_load_explicit(&p->busy, memory_order_acquire) > 0)
+            pthread_cond_wait(&p->done_cv, &p->mu);
+        pthread_mutex_unlock(&p->mu);
+    }
+}

@@ -1,0 +1,122 @@
+/* ggml_like.h -- the tensor kernels cm384 runs on: number types and their
+ * conversions, matrix products over stored weights (f32, f16, bf16, fp8 e4m3
+ * with block scales, int8 with per-row scales), INT8 activation quantization,
+ * and a persistent worker pool with a cheap parallel-for.
+ *
+ * Layout: a weight matrix W is [rows][cols] row-major, as safetensors stores
+ * nn.Linear weights ([out_features][in_features]).  Activations are fp32 rows
+ * of `cols` values.  gl_matmul computes y[i][r] = sum_c W[r][c] * x[i][c].
+ *
+ * Batch invariance (the rule every kernel keeps): the value of y[i][r] depends
+ * only on row r of W and row i of x -- never on how many rows of x there are,
+ * which range of r a call covers, or how the work is split over threads.  So
+ * each dot product runs in one fixed order per (kernel set, cols), whatever
+ * the tiling around it.  INT8 products accumulate exactly in int32.
+ *
+ * Kernel sets are chosen at run time from the CPU's features (gl_kernels_get);
+ * every set is tested against the portable scalar one.
+ */
+#ifndef GGML_LIKE_H
+#define GGML_LIKE_H
+
+#include <stddef.h>
+#include <stdint.h>
+
+/* Stored number types.  Append-only. */
+enum gl_type {
+    GL_F32     = 0,
+    GL_F16     = 1,
+    GL_BF16    = 2,
+    GL_F8_E4M3 = 3,   /* with fp32 scales per 128x128 block (DeepSeek-V3's weight_scale_inv) */
+    GL_Q8      = 4,   /* symmetric int8, one fp32 scale per row (cm384's W8A8 weights)        */
+    GL_TYPE_COUNT
+};
+
+#define GL_F8_BLOCK 128
+
+/* A weight matrix as stored. */
+typedef struct gl_mat {
+    int         type;        /* enum gl_type                                     */
+    int         rows, cols;
+    const void *data;        /* rows * cols elements, row-major, packed          */
+    const float *scale;      /* F8: [ceil(rows/128)][ceil(cols/128)] block scales;
+                                Q8: [rows] per-row scales; else NULL              */
+} gl_mat;
+
+/* Element size in bytes of a stored type. */
+static inline size_t gl_type_size(int type) {
+    switch (type) {
+    case GL_F32: return 4;
+    case GL_F16: case GL_BF16: return 2;
+    default: return 1;
+    }
+}
+
+/* Conversions. */
+static inline float gl_bf16_to_f32(uint16_t h) {
+    union { uint32_t u; float f; } v;
+    v.u = (uint32_t)h << 16;
+    return v.f;
+}
+static inline uint16_t gl_f32_to_bf16(float f) {      /* round to nearest even */
+    union { uint32_t u; float f; } v;
+    v.f = f;
+    if ((v.u & 0x7f800000u) == 0x7f800000u && (v.u & 0x007fffffu)) return (uint16_t)((v.u >> 16) | 0x40); /* NaN */
+    uint32_t lsb = (v.u >> 16) & 1u;
+    return (uint16_t)((v.u + 0x7fffu + lsb) >> 16);
+}
+float    gl_f16_to_f32(uint16_t h);
+uint16_t gl_f32_to_f16(float f);
+float    gl_f8e4m3_to_f32(uint8_t b);
+
+/* Converts row r of W to fp32 (dequantizing blocks/scales). */
+void gl_row_to_f32(const gl_mat *w, int r, float *out);
+
+/* A set of kernels for one instruction set. */
+typedef struct gl_kernels {
+    const char *name;        /* "scalar", "avx2", "avx512", "neon", ... */
+    /* y[i*ldy + r] = W[r] . x[i*ldx]  for i in [0,n), r in [r0,r1).  W of any
+       type except Q8. */
+    void (*matmul)(const gl_mat *w, const float *x, int n, int ldx,
+                   float *y, int ldy, int r0, int r1);
+    /* W8A8: y[i*ldy + r] = (sum_c Wq[r][c]*xq[i][c]) * wscale[r] * xscale[i]. */
+    void (*matmul_q8)(const gl_mat *w, const int8_t *xq, const float *xscale, int n, int ldx,
+                      float *y, int ldy, int r0, int r1);
+    /* Quantize n rows of `cols` floats to int8 with one scale per row
+       (max|x|/127).  Returns nothing; scale 0 for an all-zero row. */
+    void (*quantize_q8)(const float *x, int n, int cols, int ldx, int8_t *q, int ldq, float *scale);
+    float (*dot)(const float *a, const float *b, int n);           /* fixed order */
+    void  (*axpy)(float *y, const float *x, float a, int n);       /* y += a*x    */
+} gl_kernels;
+
+/* The best kernel set for this CPU (detected once per call; cheap). */
+const gl_kernels *gl_kernels_get(void);
+/* The portable reference set, for tests. */
+const gl_kernels *gl_kernels_scalar(void);
+/* All sets this CPU can run (for tests and benches); returns the count. */
+int gl_kernels_all(const gl_kernels **out, int cap);
+
+/* Quantize a weight matrix to GL_Q8: q gets rows*cols int8, scale gets rows
+ * floats.  Rows [r0, r1) only, so it can be parallelized. */
+void gl_quantize_weight_q8(const gl_mat *w, int8_t *q, float *scale, int r0, int r1);
+
+/* ---------------------------------------------------------------------- */
+/* Worker pool                                                            */
+/* ---------------------------------------------------------------------- */
+/* n_threads workers (the calling thread counts as one).  gl_pool_run runs
+ * fn(ctx, task, worker) for task = 0..n_tasks-1 spread over all workers and
+ * returns when every task has finished.  Tasks are handed out one at a time
+ * from an atomic counter, so give it more tasks than workers.  Only one
+ * thread may call gl_pool_run on a pool at a time. */
+typedef struct gl_pool gl_pool;
+typedef void (*gl_task_fn)(void *ctx, int task, int worker);
+
+gl_pool *gl_pool_create(int n_threads);   /* NULL on failure                  */
+void     gl_pool_free(gl_pool *p);        /* NULL ok; joins the workers        */
+int      gl_pool_size(const gl_pool *p);
+void     gl_pool_run(gl_pool *p, int n_tasks, gl_task_fn fn, void *ctx);
+
+/* Online CPU count (>= 1). */
+int gl_n_cpus(void);
+
+#endif /* GGML_LIKE_H */
