@@ -1415,106 +1415,11 @@ int cm384_token_eos(const cm384_model *m) {
 /* ======================================================================== */
 /* 5. Model math                                                            */
 /* ======================================================================== */
-/* The transformer as batched functions over tokens: each token carries its
- * position and its sequence's KV block table, so one call can mix prompts,
- * decode steps and requests.  The engine (later sections) decides which
- * tokens go together and on which emulated device; these functions only
- * compute.  Every product goes through the ggml_like kernels, whose
- * per-row results do not depend on the batch (see ggml_like.h), so a token's
- * result is the same whatever else shares its batch. */
+/* The pieces of DeepSeek's transformer that work on one token at a time.
+ * The batched layer operations built from them, which run on the emulated
+ * devices, are in section 7. */
 
-/* ---- 5.1 execution context: kernels + worker pool ---- */
-
-typedef struct exec_ctx {
-    const gl_kernels *k;
-    gl_pool          *pool;
-    int               n_workers;
-} exec_ctx;
-
-/* A list of matrix products run as one parallel region: each product is
- * split into chunks of output rows, and all chunks of all products are
- * spread over the workers.  Grouping products that read the same input
- * (q_a and kv_a, gate and up) saves a barrier each. */
-typedef struct mm_job {
-    const gl_mat *w;
-    const float  *x;   int ldx;          /* n rows of w->cols floats        */
-    const int8_t *xq;  const float *xs;  /* or: int8 rows + scales (Q8 w)   */
-    float        *y;   int ldy;
-    int           n;
-    int           chunk, n_chunks;       /* filled by mm_run                */
-} mm_job;
-
-typedef struct { const exec_ctx *ex; mm_job *jobs; int n_jobs; int *first; } mm_region;
-
-static void mm_task(void *ctx, int t, int worker) {
-    (void)worker;
-    mm_region *rg = ctx;
-    int j = 0;
-    while (j + 1 < rg->n_jobs && rg->first[j + 1] <= t) j++;     /* few jobs: linear is fine */
-    mm_job *jb = &rg->jobs[j];
-    int c = t - rg->first[j];
-    int r0 = c * jb->chunk, r1 = r0 + jb->chunk;
-    if (r1 > jb->w->rows) r1 = jb->w->rows;
-    if (jb->w->type == GL_Q8)
-        rg->ex->k->matmul_q8(jb->w, jb->xq, jb->xs, jb->n, jb->ldx, jb->y, jb->ldy, r0, r1);
-    else
-        rg->ex->k->matmul(jb->w, jb->x, jb->n, jb->ldx, jb->y, jb->ldy, r0, r1);
-}
-
-/* Bisect for many jobs (a MoE layer has one per active expert). */
-static void mm_task_many(void *ctx, int t, int worker) {
-    (void)worker;
-    mm_region *rg = ctx;
-    int lo = 0, hi = rg->n_jobs - 1;
-    while (lo < hi) {
-        int mid = (lo + hi + 1) / 2;
-        if (rg->first[mid] <= t) lo = mid; else hi = mid - 1;
-    }
-    mm_job *jb = &rg->jobs[lo];
-    int c = t - rg->first[lo];
-    int r0 = c * jb->chunk, r1 = r0 + jb->chunk;
-    if (r1 > jb->w->rows) r1 = jb->w->rows;
-    if (jb->w->type == GL_Q8)
-        rg->ex->k->matmul_q8(jb->w, jb->xq, jb->xs, jb->n, jb->ldx, jb->y, jb->ldy, r0, r1);
-    else
-        rg->ex->k->matmul(jb->w, jb->x, jb->n, jb->ldx, jb->y, jb->ldy, r0, r1);
-}
-
-/* first must hold n_jobs+1 ints. */
-static void mm_run(const exec_ctx *ex, mm_job *jobs, int n_jobs, int *first) {
-    if (n_jobs <= 0) return;
-    /* total work decides the chunk size: enough tasks to balance the
-       workers, few enough that each reads a useful slab of weights */
-    double work = 0;
-    for (int j = 0; j < n_jobs; j++) work += (double)jobs[j].w->rows * jobs[j].w->cols * (jobs[j].n > 0);
-    int want = ex->n_workers > 1 ? ex->n_workers * 8 : 1;
-    int total = 0;
-    for (int j = 0; j < n_jobs; j++) {
-        mm_job *jb = &jobs[j];
-        first[j] = total;
-        if (jb->n <= 0) { jb->chunk = jb->w->rows; jb->n_chunks = 0; continue; }
-        double share = (double)jb->w->rows * jb->w->cols / (work > 0 ? work : 1);
-        int nc = (int)ceil(share * want);
-        if (nc < 1) nc = 1;
-        int chunk = (jb->w->rows + nc - 1) / nc;
-        if (chunk < 16) chunk = 16;
-        chunk = (chunk + 15) & ~15;
-        jb->chunk = chunk;
-        jb->n_chunks = (jb->w->rows + chunk - 1) / chunk;
-        total += jb->n_chunks;
-    }
-    first[n_jobs] = total;
-    mm_region rg = {ex, jobs, n_jobs, first};
-    gl_pool_run(ex->pool, total, n_jobs > 8 ? mm_task_many : mm_task, &rg);
-}
-
-static void mm_one(const exec_ctx *ex, const gl_mat *w, const float *x, int n, int ldx, float *y, int ldy) {
-    mm_job jb = {w, x, ldx, NULL, NULL, y, ldy, n, 0, 0};
-    int first[2];
-    mm_run(ex, &jb, 1, first);
-}
-
-/* ---- 5.2 small pieces ---- */
+/* ---- 5.1 small pieces ---- */
 
 /* x * rsqrt(mean(x^2) + eps) * w, in fp32 (DeepSeek's RMSNorm). */
 static void rmsnorm(float *out, const float *x, const float *w, int n, float eps) {
@@ -1547,7 +1452,7 @@ static void softmax_inplace(float *x, int n) {
     for (int i = 0; i < n; i++) x[i] *= inv;
 }
 
-/* ---- 5.3 the KV cache: paged blocks of MLA latents ---- */
+/* ---- 5.2 the KV cache: paged blocks of MLA latents ---- */
 /* Per token and layer MLA needs only the compressed latent c (kv_lora_rank
  * values, after kv_a_layernorm) and the shared rotated key k_pe (qk_rope
  * values): one row of kv_lora + qk_rope floats.  Rows live in blocks of B
@@ -1572,179 +1477,7 @@ static float *kv_row(const kv_pool *kv, const int *blocks, int layer, int pos) {
     return kv->data + (size_t)b * kv->block_floats + ((size_t)layer * kv->block_tokens + s) * (size_t)kv->row;
 }
 
-/* ---- 5.4 scratch for one forward step ---- */
-
-typedef struct fwd_scratch {
-    int     cap;                /* max tokens per step                         */
-    int     max_ctx;            /* longest sequence attended over              */
-    float  *x;                  /* [cap][dim] residual stream                   */
-    float  *xn;                 /* [cap][dim] normed                            */
-    float  *qa;                 /* [cap][q_lora]                                */
-    float  *q;                  /* [cap][H][nope+rope]                          */
-    float  *kva;                /* [cap][kv_lora+rope]                          */
-    float  *qlat;               /* [cap][H][kv_lora+rope]: absorbed q, q_pe     */
-    float  *ctx;                /* [cap][H][kv_lora] attended latents           */
-    float  *att;                /* [cap][H][v] per-head values                  */
-    float  *tmp;                /* [cap][dim]                                   */
-    float  *ffa, *ffb;          /* [cap][max(inter, shared inter)]              */
-    float  *scores;             /* [workers][H][max_ctx]                        */
-    /* MoE */
-    float  *router;             /* [cap][n_routed]                              */
-    int    *top_id;             /* [cap][top_k]                                 */
-    float  *top_w;              /* [cap][top_k]                                 */
-    int    *slot_of;            /* [cap][top_k] row of (token, k) in ex_*       */
-    int    *ex_count, *ex_first;/* [n_routed+1]                                 */
-    float  *ex_in, *ex_out;     /* [cap*top_k][dim]                             */
-    float  *ex_a, *ex_b;        /* [cap*top_k][moe_inter]                       */
-    mm_job *jobs;               /* [max(2*n_routed, 2*H) + 4]                   */
-    int    *first;
-} fwd_scratch;
-
-static void scratch_free(fwd_scratch *s) {
-    float **fs[] = {&s->x, &s->xn, &s->qa, &s->q, &s->kva, &s->qlat, &s->ctx, &s->att, &s->tmp, &s->ffa,
-                    &s->ffb, &s->scores, &s->router, &s->top_w, &s->ex_in, &s->ex_out, &s->ex_a, &s->ex_b};
-    for (size_t i = 0; i < sizeof fs / sizeof fs[0]; i++) { free(*fs[i]); *fs[i] = NULL; }
-    free(s->top_id); free(s->slot_of); free(s->ex_count); free(s->ex_first); free(s->jobs); free(s->first);
-    memset(s, 0, sizeof *s);
-}
-
-static int scratch_alloc(fwd_scratch *s, const hparams *hp, int cap, int max_ctx, int n_workers) {
-    memset(s, 0, sizeof *s);
-    s->cap = cap;
-    s->max_ctx = max_ctx;
-    size_t c = (size_t)cap, H = (size_t)hp->n_heads, K = (size_t)(hp->top_k > 0 ? hp->top_k : 1);
-    size_t inter = (size_t)hp->inter;
-    if (inter < 2 * (size_t)hp->dim) inter = 2 * (size_t)hp->dim;     /* MTP input [2*dim] */
-    if ((size_t)hp->moe_inter * hp->n_shared > inter) inter = (size_t)hp->moe_inter * hp->n_shared;
-    size_t lat = (size_t)hp->kv_lora + hp->qk_rope;
-#define A(p, n) (p = malloc(((n) > 0 ? (n) : 1) * sizeof *(p)))
-    int ok = A(s->x, c * hp->dim) && A(s->xn, c * hp->dim) && A(s->qa, c * (hp->q_lora + 1)) &&
-             A(s->q, c * H * (hp->qk_nope + hp->qk_rope)) && A(s->kva, c * lat) && A(s->qlat, c * H * lat) &&
-             A(s->ctx, c * H * hp->kv_lora) && A(s->att, c * H * hp->v_head) && A(s->tmp, c * hp->dim) &&
-             A(s->ffa, c * inter) && A(s->ffb, c * inter) &&
-             A(s->scores, (size_t)n_workers * H * (size_t)max_ctx) &&
-             A(s->router, c * (hp->n_routed + 1)) && A(s->top_id, c * K) && A(s->top_w, c * K) &&
-             A(s->slot_of, c * K) && A(s->ex_count, (size_t)hp->n_routed + 2) &&
-             A(s->ex_first, (size_t)hp->n_routed + 2) &&
-             A(s->ex_in, c * K * hp->dim) && A(s->ex_out, c * K * hp->dim) &&
-             A(s->ex_a, c * K * (hp->moe_inter + 1)) && A(s->ex_b, c * K * (hp->moe_inter + 1)) &&
-             A(s->jobs, 2 * (size_t)hp->n_routed + 2 * H + 8) && A(s->first, 2 * (size_t)hp->n_routed + 2 * H + 9);
-#undef A
-    if (!ok) { scratch_free(s); return fail(CM384_E_NOMEM, "out of memory for forward scratch (%d tokens)", cap); }
-    return CM384_OK;
-}
-
-/* One forward step's tokens. */
-typedef struct fwd_batch {
-    int             n;
-    const int32_t  *tok;      /* [n] token ids                                   */
-    const int      *pos;      /* [n] positions                                   */
-    const int     **blocks;   /* [n] block table of each token's sequence         */
-    int             kv_shift; /* KV slot = position + kv_shift (1 for MTP layers)  */
-} fwd_batch;
-
-/* ---- 5.5 attention (MLA, absorbed) ---- */
-
-typedef struct attn_job {
-    const cm384_model *m; const exec_ctx *ex; const kv_pool *kv; const fwd_batch *b;
-    fwd_scratch *s; int layer;
-} attn_job;
-
-/* One task = one token, all heads: scores over its keys, softmax, and the
- * attended latent.  Keys are visited in position order, so the sum has the
- * same order for a token whatever else is in the batch. */
-static void attn_core_task(void *ctx, int t, int worker) {
-    attn_job *aj = ctx;
-    const hparams *hp = &aj->m->hp;
-    int H = hp->n_heads, lat = hp->kv_lora + hp->qk_rope, n_keys = aj->b->pos[t] + 1;
-    float *sc = aj->s->scores + (size_t)worker * H * aj->s->max_ctx;
-    const float *qv = aj->s->qlat + (size_t)t * H * lat;
-    const int *blocks = aj->b->blocks[t];
-    float scale = aj->m->attn_scale;
-    int sh = aj->b->kv_shift;
-    for (int j = 0; j < n_keys; j++) {
-        const float *row = kv_row(aj->kv, blocks, aj->layer, j + sh);
-        for (int h = 0; h < H; h++) sc[(size_t)h * aj->s->max_ctx + j] = aj->ex->k->dot(qv + (size_t)h * lat, row, lat) * scale;
-    }
-    float *out = aj->s->ctx + (size_t)t * H * hp->kv_lora;
-    for (int h = 0; h < H; h++) {
-        float *p = sc + (size_t)h * aj->s->max_ctx;
-        softmax_inplace(p, n_keys);
-        float *o = out + (size_t)h * hp->kv_lora;
-        memset(o, 0, (size_t)hp->kv_lora * sizeof(float));
-        for (int j = 0; j < n_keys; j++) aj->ex->k->axpy(o, kv_row(aj->kv, blocks, aj->layer, j + sh), p[j], hp->kv_lora);
-    }
-}
-
-/* x[t] += MLA(rmsnorm(x[t])) for every token of the batch; writes the
- * tokens' KV rows for this layer first. */
-static void attention(const cm384_model *m, const exec_ctx *ex, const kv_pool *kv, int layer,
-                      const fwd_batch *b, fwd_scratch *s, float *x) {
-    const hparams *hp = &m->hp;
-    const layer_w *L = &m->layers[layer];
-    int n = b->n, H = hp->n_heads, dim = hp->dim, qk = hp->qk_nope + hp->qk_rope;
-    int lat = hp->kv_lora + hp->qk_rope;
-    for (int t = 0; t < n; t++) rmsnorm(s->xn + (size_t)t * dim, x + (size_t)t * dim, L->attn_norm, dim, hp->eps);
-
-    /* down-projections: q_a (or q) and kv_a read the same normed input */
-    mm_job jobs[2];
-    memset(jobs, 0, sizeof jobs);
-    int nj = 0;
-    if (hp->q_lora) jobs[nj++] = (mm_job){&L->wq_a, s->xn, dim, NULL, NULL, s->qa, hp->q_lora, n, 0, 0};
-    else            jobs[nj++] = (mm_job){&L->wq, s->xn, dim, NULL, NULL, s->q, H * qk, n, 0, 0};
-    jobs[nj++] = (mm_job){&L->wkv_a, s->xn, dim, NULL, NULL, s->kva, lat, n, 0, 0};
-    mm_run(ex, jobs, nj, s->first);
-    if (hp->q_lora) {
-        for (int t = 0; t < n; t++) {
-            float *qa = s->qa + (size_t)t * hp->q_lora;
-            rmsnorm(qa, qa, L->q_norm, hp->q_lora, hp->eps);
-        }
-        mm_one(ex, &L->wq_b, s->qa, n, hp->q_lora, s->q, H * qk);
-    }
-    /* the token's KV row: normed latent + rotated shared key */
-    for (int t = 0; t < n; t++) {
-        float *kva = s->kva + (size_t)t * lat;
-        float *row = kv_row(kv, b->blocks[t], layer, b->pos[t] + b->kv_shift);
-        rmsnorm(row, kva, L->kv_norm, hp->kv_lora, hp->eps);
-        memcpy(row + hp->kv_lora, kva + hp->kv_lora, (size_t)hp->qk_rope * sizeof(float));
-        rope(m, row + hp->kv_lora, b->pos[t]);
-    }
-    /* absorb W_uk into the query: qlat[h] = W_uk[h]^T q_nope[h]; q_pe rotated
-       and placed after it, so one dot with a KV row scores both parts */
-    for (int h = 0; h < H; h++)
-        s->jobs[h] = (mm_job){&L->w_uk_t[h], s->q + (size_t)h * qk, H * qk, NULL, NULL,
-                              s->qlat + (size_t)h * lat, H * lat, n, 0, 0};
-    mm_run(ex, s->jobs, H, s->first);
-    for (int t = 0; t < n; t++)
-        for (int h = 0; h < H; h++) {
-            float *dst = s->qlat + ((size_t)t * H + h) * lat + hp->kv_lora;
-            memcpy(dst, s->q + ((size_t)t * H + h) * qk + hp->qk_nope, (size_t)hp->qk_rope * sizeof(float));
-            rope(m, dst, b->pos[t]);
-        }
-    attn_job aj = {m, ex, kv, b, s, layer};
-    gl_pool_run(ex->pool, n, attn_core_task, &aj);
-    /* values: att[h] = W_uv[h] ctx[h], then o_proj */
-    for (int h = 0; h < H; h++)
-        s->jobs[h] = (mm_job){&L->w_uv[h], s->ctx + (size_t)h * hp->kv_lora, H * hp->kv_lora, NULL, NULL,
-                              s->att + (size_t)h * hp->v_head, H * hp->v_head, n, 0, 0};
-    mm_run(ex, s->jobs, H, s->first);
-    mm_one(ex, &L->wo, s->att, n, H * hp->v_head, s->tmp, dim);
-    for (size_t i = 0; i < (size_t)n * dim; i++) x[i] += s->tmp[i];
-}
-
-/* ---- 5.6 feed-forward: dense, router, experts ---- */
-
-/* out[t] = down(silu(gate x) * up x) for n rows (one expert or a dense FFN). */
-static void ffn_rows(const exec_ctx *ex, const ffn_w *f, const float *x, int n, int ldx,
-                     float *a, float *b, float *out, int ldo, mm_job *jobs, int *first) {
-    int inter = f->gate.rows;
-    jobs[0] = (mm_job){&f->gate, x, ldx, NULL, NULL, a, inter, n, 0, 0};
-    jobs[1] = (mm_job){&f->up, x, ldx, NULL, NULL, b, inter, n, 0, 0};
-    mm_run(ex, jobs, 2, first);
-    for (size_t i = 0; i < (size_t)n * inter; i++) a[i] = silu(a[i]) * b[i];
-    jobs[0] = (mm_job){&f->down, a, inter, NULL, NULL, out, ldo, n, 0, 0};
-    mm_run(ex, jobs, 1, first);
-}
+/* ---- 5.3 the router ---- */
 
 /* The router for one token: picks top_k experts and their weights from
  * logits[n_routed], following the reference for each topk_method and
@@ -1805,111 +1538,2123 @@ static void route_token(const hparams *hp, const float *logits, const float *bia
         for (int k = 0; k < K; k++) w[k] *= hp->route_scale;
 }
 
-/* x[t] += FFN(rmsnorm(x[t])): dense, or MoE = sum_k w_k expert_k + shared.
- * Experts run over all the tokens routed to them at once (one GEMM each);
- * the combine sums each token's expert outputs in its top-k order. */
-static void feed_forward(const cm384_model *m, const exec_ctx *ex, int layer, int n, fwd_scratch *s, float *x,
-                         int *route_out /* [n][top_k] or NULL */) {
+
+/* ======================================================================== */
+/* 6. The supernode: devices, placement, the pool and the fabric            */
+/* ======================================================================== */
+/* A device is logical: an id, its roles, what it holds and its counters.
+ * Work is expressed as tasks that belong to a device; a pool of worker
+ * threads runs them.  Devices exchange activations only through the fabric:
+ * a send writes straight into a buffer the receiver owns (pre-allocated in
+ * the pool: the AIV-Direct idea) and is counted per (source, destination).
+ *
+ * Roles:
+ *   prefill       computes prompts (attention data-parallel by request,
+ *                 routed experts spread over the prefill group);
+ *   attention     owns decoding requests and their KV blocks (DP attention);
+ *   expert        holds routed experts (and replicas of hot ones) for decode;
+ *   shared        holds a replica of the shared expert (paper preset).
+ * Presets:
+ *   single   one device does everything;
+ *   default  fastest on this host: as many prefill and attention devices as
+ *            workers, one device per routed expert, shared experts computed
+ *            where the token is;
+ *   paper    CloudMatrix-Infer's deployment scaled to the model: decode
+ *            attention DP over every decode device, one routed expert per
+ *            device, R/top_k shared-expert replicas and R/8 redundant experts
+ *            (EP320 for a 256-expert model), prefill EP over R/8 devices. */
+
+#ifndef CM384_MALLOC
+#define CM384_MALLOC(n)     malloc(n)
+#define CM384_CALLOC(n, s)  calloc(n, s)
+#define CM384_FREE(p)       free(p)
+#endif
+
+enum { ROLE_PREFILL = 1, ROLE_ATTN = 2, ROLE_EXPERT = 4, ROLE_SHARED = 8 };
+enum { PHASE_PREFILL = 0, PHASE_DECODE = 1 };
+
+typedef struct device {
+    unsigned roles;
+    int      n_owned;        /* decode requests it owns (attention)           */
+    int      n_hosted;       /* routed expert replicas it hosts (decode)       */
+} device;
+
+/* Where each routed expert of each layer lives in one phase.  An entry is a
+ * (device, expert) pair: entry e*max_rep + r is replica r of expert e;
+ * entries E*max_rep + j are shared-expert replicas. */
+typedef struct placement {
+    int  max_rep;
+    int  n_entries;          /* E*max_rep + n_shared                          */
+    int *dev;                /* [layers][n_entries] device, -1 = unused       */
+    int *n_rep;              /* [layers][E] replicas of each expert            */
+    int *order;              /* [layers][n_entries] entries by (device, expert)*/
+    int  n_shared;           /* shared-expert replicas; 0 = at the source      */
+} placement;
+
+static int *pl_dev(const placement *p, int l) { return p->dev + (size_t)l * p->n_entries; }
+static int *pl_nrep(const placement *p, int l, int E) { return p->n_rep + (size_t)l * E; }
+static int *pl_order(const placement *p, int l) { return p->order + (size_t)l * p->n_entries; }
+
+/* Sorts a layer's entries by (device, expert) so that each device's
+ * received rows are contiguous and in a fixed order. */
+static void pl_sort(placement *p, int l) {
+    int *dev = pl_dev(p, l), *ord = pl_order(p, l), n = 0;
+    for (int i = 0; i < p->n_entries; i++) if (dev[i] >= 0) ord[n++] = i;
+    for (int i = 1; i < n; i++) {               /* insertion sort: small, stable */
+        int v = ord[i], j = i;
+        while (j > 0 && (dev[ord[j - 1]] > dev[v] || (dev[ord[j - 1]] == dev[v] && ord[j - 1] > v))) {
+            ord[j] = ord[j - 1];
+            j--;
+        }
+        ord[j] = v;
+    }
+    for (int i = n; i < p->n_entries; i++) ord[i] = -1;
+}
+
+/* ---- parallel regions ---- */
+/* A region is one gl_pool_run: a set of task groups, each belonging to one
+ * device.  Every task is timed into its device's busy time; with a trace
+ * open, each group becomes a trace event on its device's track. */
+
+typedef void (*task_fn)(void *ctx, int arg, int task, int worker);
+
+typedef struct rg_group {
+    task_fn     fn;
+    void       *ctx;
+    int         arg, n, device, first;
+    const char *name;           /* trace label                                */
+    int         layer, mb;
+    _Atomic uint64_t t0, t1;    /* first task start, last task end (ns)       */
+} rg_group;
+
+typedef struct trace_event { int device, layer, mb; const char *name; uint64_t t0, t1; } trace_event;
+
+typedef struct region {
+    rg_group  *g;
+    int        n_groups, cap, n_tasks;
+    struct cm384_engine *e;
+    const char *name; int layer, mb;     /* label for groups added next     */
+} region;
+
+static uint64_t now_ns(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
+}
+
+static void region_add(region *rg, task_fn fn, void *ctx, int arg, int n, int device) {
+    if (n <= 0) return;
+    if (rg->n_groups == rg->cap) {
+        /* sized at engine creation for the worst case; reaching this is a bug */
+        fprintf(stderr, "cm384: internal error: region overflow (%d groups)\n", rg->cap);
+        abort();
+    }
+    rg_group *g = &rg->g[rg->n_groups++];
+    g->fn = fn; g->ctx = ctx; g->arg = arg; g->n = n; g->device = device; g->first = rg->n_tasks;
+    g->name = rg->name; g->layer = rg->layer; g->mb = rg->mb;
+    atomic_store_explicit(&g->t0, UINT64_MAX, memory_order_relaxed);
+    atomic_store_explicit(&g->t1, 0, memory_order_relaxed);
+    rg->n_tasks += n;
+}
+
+/* ---- matrix products as region tasks ---- */
+/* A product y = W x over n rows is split into chunks of output rows: big
+ * enough to stream a useful slab of weights, small enough to balance the
+ * workers.  The kernels' per-row results do not depend on the split. */
+
+typedef struct mm_job {
+    const gl_mat *w;
+    const float  *x;   int ldx;          /* n rows of w->cols floats           */
+    const int8_t *xq;  const float *xs;  /* or int8 rows + scales (Q8 weights) */
+    float        *y;   int ldy;
+    int           n;
+    int           chunk;
+    const gl_kernels *k;
+} mm_job;
+
+static void mm_chunk_task(void *ctx, int arg, int c, int worker) {
+    (void)arg; (void)worker;
+    mm_job *jb = ctx;
+    int r0 = c * jb->chunk, r1 = r0 + jb->chunk;
+    if (r1 > jb->w->rows) r1 = jb->w->rows;
+    if (jb->w->type == GL_Q8) jb->k->matmul_q8(jb->w, jb->xq, jb->xs, jb->n, jb->ldx, jb->y, jb->ldy, r0, r1);
+    else jb->k->matmul(jb->w, jb->x, jb->n, jb->ldx, jb->y, jb->ldy, r0, r1);
+}
+
+/* Adds job jb (which must stay alive until the region has run). */
+static void region_add_mm(region *rg, int n_workers, mm_job *jb, int device) {
+    if (jb->n <= 0) return;
+    size_t bytes = (size_t)jb->w->rows * jb->w->cols * gl_type_size(jb->w->type);
+    int nc = (int)((bytes + (256u << 10) - 1) / (256u << 10));      /* ~256 KB of weights each */
+    int by_rows = (jb->w->rows + 15) / 16;
+    int spread = n_workers > 1 ? 2 * n_workers : 1;
+    if (nc < spread) nc = spread;
+    if (nc > by_rows) nc = by_rows;
+    if (nc < 1) nc = 1;
+    int chunk = (jb->w->rows + nc - 1) / nc;
+    chunk = (chunk + 15) & ~15;
+    jb->chunk = chunk;
+    region_add(rg, mm_chunk_task, jb, 0, (jb->w->rows + chunk - 1) / chunk, device);
+}
+
+/* ---- per-microbatch working memory (carved from the pool) ---- */
+
+typedef struct fwd_scratch {
+    int     cap;               /* tokens                                          */
+    float  *x, *xn;            /* [cap][dim] residual stream, normed input         */
+    float  *qa;                /* [cap][q_lora]                                    */
+    float  *q;                 /* [cap][H][nope+rope]                              */
+    float  *kva;               /* [cap][kv_lora+rope]                              */
+    float  *qlat;              /* [cap][H][kv_lora+rope] absorbed query + q_pe     */
+    float  *ctx;               /* [cap][H][kv_lora] attended latents               */
+    float  *att;               /* [cap][H][v]                                      */
+    float  *tmp;               /* [cap][dim] block output before the residual add  */
+    float  *ffa, *ffb;         /* [cap][max(inter, shared inter, 2*dim)]           */
+    float  *scores;            /* [workers][H][max_ctx]                            */
+    float  *router;            /* [cap][E] router logits                           */
+    int    *top_id;            /* [cap][K] chosen experts                          */
+    float  *top_w;             /* [cap][K] their weights                           */
+    int    *row_of;            /* [cap][K+1] received row of (token, k); k=K:
+                                  the shared-expert replica's row                  */
+    /* expert side: rows received by the expert devices, grouped by entry */
+    int     rows;              /* cap*(K+1)                                        */
+    int8_t *recv_q;            /* [rows][dim] INT8 dispatch                        */
+    float  *recv_s;            /* [rows] their per-token scales                    */
+    float  *recv_f;            /* [rows][dim] fp32 dispatch / dequantized          */
+    int    *recv_src;          /* [rows] source row                                */
+    float  *ex_a, *ex_b;       /* [rows][max(moe_inter, shared inter)]             */
+    float  *ex_out;            /* [rows][dim]                                      */
+    float  *comb;              /* [cap][K+1][dim] the source's combine buffer      */
+    int    *entry_count, *entry_first;   /* [n_entries + 1]                        */
+    int     n_jobs_cap;
+    mm_job *jobs;
+    float  *hsel;              /* [cap][dim] normed rows that need logits          */
+    int    *sel;               /* [cap] row of hsel (or -1)                         */
+    int    *sel_first, *sel_n; /* [cap] per device group: its rows of hsel         */
+} fwd_scratch;
+
+/* A bump allocator over the pool: everything the engine needs per token is
+ * carved once at creation, so the token path never allocates. */
+typedef struct carver { uint8_t *base; size_t off; } carver;
+
+static void *carve(carver *c, size_t bytes) {
+    size_t at = (c->off + 63) & ~(size_t)63;
+    c->off = at + bytes;
+    return c->base ? c->base + at : NULL;
+}
+
+static void scratch_carve(carver *c, fwd_scratch *s, const hparams *hp, int cap, int max_ctx, int workers,
+                          int n_entries, int n_jobs) {
+    size_t C = (size_t)cap, H = (size_t)hp->n_heads, K = (size_t)(hp->top_k > 0 ? hp->top_k : 1);
+    size_t D = (size_t)hp->dim, lat = (size_t)hp->kv_lora + hp->qk_rope;
+    size_t inter = (size_t)hp->inter, sh = (size_t)hp->moe_inter * hp->n_shared;
+    if (inter < 2 * D) inter = 2 * D;
+    if (inter < sh) inter = sh;
+    size_t mi = (size_t)hp->moe_inter > sh ? (size_t)hp->moe_inter : sh;
+    if (mi < 1) mi = 1;
+    size_t E = (size_t)(hp->n_routed > 0 ? hp->n_routed : 1);
+    memset(s, 0, sizeof *s);
+    s->cap = cap;
+    s->rows = (int)(C * (K + 1));
+    size_t R = (size_t)s->rows;
+#define F(n) carve(c, (n) * sizeof(float))
+    s->x = F(C * D); s->xn = F(C * D); s->qa = F(C * (size_t)(hp->q_lora + 1));
+    s->q = F(C * H * (hp->qk_nope + hp->qk_rope)); s->kva = F(C * lat); s->qlat = F(C * H * lat);
+    s->ctx = F(C * H * hp->kv_lora); s->att = F(C * H * hp->v_head); s->tmp = F(C * D);
+    s->ffa = F(C * inter); s->ffb = F(C * inter);
+    s->scores = F((size_t)workers * H * (size_t)max_ctx);
+    s->router = F(C * E); s->top_w = F(C * K);
+    s->top_id = carve(c, C * K * sizeof(int));
+    s->row_of = carve(c, C * (K + 1) * sizeof(int));
+    s->recv_q = carve(c, R * D);
+    s->recv_s = F(R); s->recv_f = F(R * D);
+    s->recv_src = carve(c, R * sizeof(int));
+    s->ex_a = F(R * mi); s->ex_b = F(R * mi); s->ex_out = F(R * D);
+    s->comb = F(C * (K + 1) * D);
+    s->entry_count = carve(c, ((size_t)n_entries + 1) * sizeof(int));
+    s->entry_first = carve(c, ((size_t)n_entries + 2) * sizeof(int));
+    s->n_jobs_cap = n_jobs;
+    s->jobs = carve(c, (size_t)n_jobs * sizeof(mm_job));
+    s->hsel = F(C * D);
+    s->sel = carve(c, C * sizeof(int));
+    s->sel_first = carve(c, C * sizeof(int));
+    s->sel_n = carve(c, C * sizeof(int));
+#undef F
+}
+
+typedef struct request request;   /* section 11 */
+
+/* Per block of the KV pool: who uses it and, when it is in the context
+ * cache, what it holds (section 8). */
+typedef struct block_meta {
+    int      ref;            /* users: requests holding it + 1 if cached        */
+    int      cached;         /* in the context-cache index                       */
+    uint64_t hash;           /* chain hash of the prefix ending with this block  */
+    uint64_t parent;         /* chain hash of the prefix before it               */
+    uint32_t tenant;
+    int      lru_prev, lru_next;   /* evictable list (cached, ref == 1)         */
+    int      owner;          /* device whose memory region it is in (traffic)    */
+    int32_t *tokens;         /* [B] the tokens it holds (to verify a hit)        */
+} block_meta;
+
+struct cm384_engine {
+    const cm384_model *m;
+    cm384_config      cfg;
+    char              preset[16];
+    const gl_kernels *k;
+    gl_pool          *pool_threads;
+    int               n_workers;
+    /* topology */
+    int               n_dev;
+    device           *dev;
+    int              *pre_devs, n_pre;       /* prefill devices                 */
+    int              *attn_devs, n_attn;     /* decode attention devices        */
+    placement         place[2];              /* PHASE_PREFILL, PHASE_DECODE     */
+    int               shared_at_source;
+    /* the pool: KV blocks, cache index, microbatch buffers */
+    uint8_t          *pool;
+    size_t            pool_bytes;
+    kv_pool           kv;
+    block_meta       *bm;
+    int              *free_blocks, n_free;
+    int              *index;                 /* cache hash table: block ids, -1  */
+    int               index_cap;
+    int               lru_head, lru_tail;    /* evictable cached blocks          */
+    int               n_cached, cache_blocks_max;
+    fwd_scratch       s[2];
+    int               step_cap, max_ctx;
+    region            rg;
+    /* fabric and counters */
+    _Atomic uint64_t *traffic, *msgs;        /* [n_dev][n_dev]                  */
+    uint64_t         *busy;                  /* [workers][n_dev] ns             */
+    uint64_t         *expert_load;           /* [layers][E] tokens routed       */
+    uint64_t         *dev_rows;              /* [n_dev] rows computed as expert */
+    _Atomic uint64_t  dispatch_bytes, dispatch_bytes_bf16, combine_bytes, combine_bytes_bf16, n_messages;
+    uint64_t          kv_handoff_bytes;
+    /* trace */
+    FILE             *trace;
+    trace_event      *tev;
+    int               n_tev, cap_tev;
+    uint64_t          t_origin;
+    /* scheduler (section 11) */
+    pthread_mutex_t   mu;
+    pthread_cond_t    cv_work, cv_done;
+    pthread_t         thread;
+    int               thread_started, stopping;
+    struct sched     *sched;
+};
+
+static void region_task(void *ctx, int t, int worker) {
+    region *rg = ctx;
+    int lo = 0, hi = rg->n_groups - 1;
+    while (lo < hi) {
+        int mid = (lo + hi + 1) / 2;
+        if (rg->g[mid].first <= t) lo = mid; else hi = mid - 1;
+    }
+    rg_group *g = &rg->g[lo];
+    uint64_t t0 = now_ns();
+    g->fn(g->ctx, g->arg, t - g->first, worker);
+    uint64_t t1 = now_ns();
+    struct cm384_engine *e = rg->e;
+    e->busy[(size_t)worker * e->n_dev + g->device] += t1 - t0;
+    if (e->trace) {
+        uint64_t v = atomic_load_explicit(&g->t0, memory_order_relaxed);
+        while (t0 < v && !atomic_compare_exchange_weak_explicit(&g->t0, &v, t0, memory_order_relaxed, memory_order_relaxed)) {}
+        v = atomic_load_explicit(&g->t1, memory_order_relaxed);
+        while (t1 > v && !atomic_compare_exchange_weak_explicit(&g->t1, &v, t1, memory_order_relaxed, memory_order_relaxed)) {}
+    }
+}
+
+static void region_run(region *rg) {
+    struct cm384_engine *e = rg->e;
+    if (rg->n_tasks > 0) gl_pool_run(e->pool_threads, rg->n_tasks, region_task, rg);
+    if (e->trace) {
+        for (int i = 0; i < rg->n_groups && e->n_tev < e->cap_tev; i++) {
+            rg_group *g = &rg->g[i];
+            trace_event *ev = &e->tev[e->n_tev++];
+            ev->device = g->device; ev->layer = g->layer; ev->mb = g->mb; ev->name = g->name;
+            ev->t0 = atomic_load_explicit(&g->t0, memory_order_relaxed);
+            ev->t1 = atomic_load_explicit(&g->t1, memory_order_relaxed);
+        }
+    }
+    rg->n_groups = rg->n_tasks = 0;
+}
+
+/* The fabric: every byte a device sends to another is counted. */
+static void fabric_count(struct cm384_engine *e, int src, int dst, uint64_t bytes, uint64_t msgs) {
+    size_t i = (size_t)src * e->n_dev + dst;
+    atomic_fetch_add_explicit(&e->traffic[i], bytes, memory_order_relaxed);
+    atomic_fetch_add_explicit(&e->msgs[i], msgs, memory_order_relaxed);
+}
+
+/* ======================================================================== */
+/* 7. Layers on devices                                                     */
+/* ======================================================================== */
+/* A microbatch is the set of tokens that go through the layers together,
+ * sorted by the device that owns them.  Each layer operation (attention,
+ * feed-forward, head) is a short list of stages; a stage does a little
+ * serial bookkeeping and adds tasks, per device, to a parallel region.
+ * Splitting the work this way lets two microbatches share regions (one's
+ * attention beside the other's MoE, section 9) and lets every task be
+ * charged to its device.
+ *
+ * The MoE layer follows the CloudMatrix/DeepEP protocol: the router runs
+ * where the token is; a layout pass counts rows per (device, expert); the
+ * source device writes each token (INT8-quantized with a per-token scale, or
+ * fp32) straight into the rows the expert device reserved for it; each
+ * expert device runs its experts over all rows it received (one GEMM per
+ * expert); the outputs are written back into the source's combine buffer,
+ * and the source sums them in top-k order -- a fixed order, whatever the
+ * arrival order, so results do not depend on placement. */
+
+typedef struct dev_group { int device, first, n; } dev_group;
+
+enum { PEND_NONE, PEND_EMBED, PEND_ADD_TMP, PEND_COMBINE };
+enum { OP_ATTN, OP_FFN, OP_HEAD, OP_MTP_IN };
+
+typedef struct microbatch {
+    int                  n;
+    const int32_t       *tok;       /* [n] tokens (MTP: the next tokens)               */
+    const int           *pos;       /* [n] positions                                   */
+    const int          **tables;    /* [n] KV block tables                             */
+    int                  kv_shift;  /* KV slot = pos + kv_shift (1 in MTP layers)      */
+    int                  n_groups;
+    dev_group           *groups;    /* device groups, contiguous rows                  */
+    int                  phase;     /* PHASE_PREFILL / PHASE_DECODE: which placement   */
+    int                  index;     /* microbatch number (trace)                       */
+    fwd_scratch         *s;
+    int                  pending;   /* residual add the previous op left in tmp/comb   */
+    int                  pending_layer;
+    const unsigned char *want;      /* [n] rows that need logits; NULL = all            */
+    float               *logits;    /* [wanted rows][vocab]                            */
+    float               *h_out;     /* [n][dim] final-normed hidden (for MTP) or NULL  */
+} microbatch;
+
+typedef struct op {
+    struct cm384_engine *e;
+    microbatch          *mb;
+    int                  kind, layer, stage;
+    int                  n_jobs;
+    const gl_mat        *head;      /* OP_HEAD                                          */
+    const float         *head_norm;
+    const float         *h_in;      /* OP_MTP_IN: [n][dim] main model's final hidden    */
+} op;
+
+static mm_job *op_job(op *o) {
+    fwd_scratch *s = o->mb->s;
+    if (o->n_jobs >= s->n_jobs_cap) { fprintf(stderr, "cm384: internal error: job overflow\n"); abort(); }
+    mm_job *jb = &s->jobs[o->n_jobs++];
+    memset(jb, 0, sizeof *jb);
+    jb->k = o->e->k;
+    return jb;
+}
+
+static void op_mm(op *o, region *rg, const gl_mat *w, const float *x, int ldx, float *y, int ldy, int n, int device) {
+    if (n <= 0) return;
+    mm_job *jb = op_job(o);
+    jb->w = w; jb->x = x; jb->ldx = ldx; jb->y = y; jb->ldy = ldy; jb->n = n;
+    region_add_mm(rg, o->e->n_workers, jb, device);
+}
+
+/* ---- per-token tasks ---- */
+
+/* The residual add the previous op owes x, then the norm of this op. */
+static void t_norm(void *ctx, int g, int t, int worker) {
+    (void)worker;
+    op *o = ctx;
+    microbatch *mb = o->mb;
+    const cm384_model *m = o->e->m;
     const hparams *hp = &m->hp;
-    const layer_w *L = &m->layers[layer];
-    int dim = hp->dim;
-    for (int t = 0; t < n; t++) rmsnorm(s->xn + (size_t)t * dim, x + (size_t)t * dim, L->ffn_norm, dim, hp->eps);
-    if (!L->is_moe) {
-        ffn_rows(ex, &L->dense, s->xn, n, dim, s->ffa, s->ffb, s->tmp, dim, s->jobs, s->first);
-        for (size_t i = 0; i < (size_t)n * dim; i++) x[i] += s->tmp[i];
-        return;
-    }
-    int E = hp->n_routed, K = hp->top_k;
-    mm_one(ex, &L->router, s->xn, n, dim, s->router, E);
-    for (int t = 0; t < n; t++)
-        route_token(hp, s->router + (size_t)t * E, L->router_bias, s->top_id + (size_t)t * K, s->top_w + (size_t)t * K);
-    if (route_out) memcpy(route_out, s->top_id, (size_t)n * K * sizeof(int));
-    /* group (token, k) slots by expert: counting sort, stable in token order */
-    memset(s->ex_count, 0, (size_t)(E + 1) * sizeof(int));
-    for (int i = 0; i < n * K; i++) s->ex_count[s->top_id[i]]++;
-    s->ex_first[0] = 0;
-    for (int e = 0; e < E; e++) s->ex_first[e + 1] = s->ex_first[e] + s->ex_count[e];
-    memset(s->ex_count, 0, (size_t)(E + 1) * sizeof(int));
-    for (int i = 0; i < n * K; i++) {
-        int e = s->top_id[i], slot = s->ex_first[e] + s->ex_count[e]++;
-        s->slot_of[i] = slot;
-        memcpy(s->ex_in + (size_t)slot * dim, s->xn + (size_t)(i / K) * dim, (size_t)dim * sizeof(float));
-    }
-    int MI = hp->moe_inter, nj = 0;
-    for (int e = 0; e < E; e++) {
-        int cnt = s->ex_first[e + 1] - s->ex_first[e];
-        if (!cnt) continue;
-        size_t f = (size_t)s->ex_first[e];
-        s->jobs[nj++] = (mm_job){&L->experts[e].gate, s->ex_in + f * dim, dim, NULL, NULL, s->ex_a + f * MI, MI, cnt, 0, 0};
-        s->jobs[nj++] = (mm_job){&L->experts[e].up, s->ex_in + f * dim, dim, NULL, NULL, s->ex_b + f * MI, MI, cnt, 0, 0};
-    }
-    mm_run(ex, s->jobs, nj, s->first);
-    for (size_t i = 0; i < (size_t)n * K * MI; i++) s->ex_a[i] = silu(s->ex_a[i]) * s->ex_b[i];
-    nj = 0;
-    for (int e = 0; e < E; e++) {
-        int cnt = s->ex_first[e + 1] - s->ex_first[e];
-        if (!cnt) continue;
-        size_t f = (size_t)s->ex_first[e];
-        s->jobs[nj++] = (mm_job){&L->experts[e].down, s->ex_a + f * MI, MI, NULL, NULL, s->ex_out + f * dim, dim, cnt, 0, 0};
-    }
-    mm_run(ex, s->jobs, nj, s->first);
-    if (L->shared.gate.data)
-        ffn_rows(ex, &L->shared, s->xn, n, dim, s->ffa, s->ffb, s->tmp, dim, s->jobs, s->first);
-    for (int t = 0; t < n; t++) {
-        float *xr = x + (size_t)t * dim;
-        for (int d = 0; d < dim; d++) {
+    fwd_scratch *s = mb->s;
+    int D = hp->dim, r = mb->groups[g].first + t;
+    float *x = s->x + (size_t)r * D;
+    if (mb->pending == PEND_EMBED) {
+        gl_row_to_f32(&m->embed, mb->tok[r], x);
+    } else if (mb->pending == PEND_ADD_TMP) {
+        const float *a = s->tmp + (size_t)r * D;
+        for (int d = 0; d < D; d++) x[d] += a[d];
+    } else if (mb->pending == PEND_COMBINE) {
+        int K = hp->top_k, has_shared = m->layers[mb->pending_layer].shared.gate.data != NULL;
+        const float *w = s->top_w + (size_t)r * K, *cb = s->comb + (size_t)r * (K + 1) * D;
+        for (int d = 0; d < D; d++) {
             float acc = 0;
-            for (int k = 0; k < K; k++) acc += s->top_w[t * K + k] * s->ex_out[(size_t)s->slot_of[t * K + k] * dim + d];
-            if (L->shared.gate.data) acc += s->tmp[(size_t)t * dim + d];
-            xr[d] += acc;
+            for (int k = 0; k < K; k++) acc += w[k] * cb[(size_t)k * D + d];
+            if (has_shared) acc += cb[(size_t)K * D + d];
+            x[d] += acc;
+        }
+    }
+    const float *nw = o->kind == OP_ATTN ? m->layers[o->layer].attn_norm
+                    : o->kind == OP_FFN  ? m->layers[o->layer].ffn_norm : o->head_norm;
+    float *xn = s->xn + (size_t)r * D;
+    rmsnorm(xn, x, nw, D, hp->eps);
+    if (o->kind == OP_HEAD) {
+        if (s->sel[r] >= 0) memcpy(s->hsel + (size_t)s->sel[r] * D, xn, (size_t)D * sizeof(float));
+        if (mb->h_out) memcpy(mb->h_out + (size_t)r * D, xn, (size_t)D * sizeof(float));
+    }
+}
+
+/* q_a_layernorm, and the token's KV row: normed latent + rotated k_pe. */
+static void t_kv_write(void *ctx, int g, int t, int worker) {
+    (void)worker;
+    op *o = ctx;
+    microbatch *mb = o->mb;
+    const cm384_model *m = o->e->m;
+    const hparams *hp = &m->hp;
+    const layer_w *L = &m->layers[o->layer];
+    int r = mb->groups[g].first + t, lat = hp->kv_lora + hp->qk_rope;
+    if (hp->q_lora) {
+        float *qa = mb->s->qa + (size_t)r * hp->q_lora;
+        rmsnorm(qa, qa, L->q_norm, hp->q_lora, hp->eps);
+    }
+    const float *kva = mb->s->kva + (size_t)r * lat;
+    float *row = kv_row(&o->e->kv, mb->tables[r], o->layer, mb->pos[r] + mb->kv_shift);
+    rmsnorm(row, kva, L->kv_norm, hp->kv_lora, hp->eps);
+    memcpy(row + hp->kv_lora, kva + hp->kv_lora, (size_t)hp->qk_rope * sizeof(float));
+    rope(m, row + hp->kv_lora, mb->pos[r]);
+}
+
+/* Absorb W_uk into the query for one head over a device's rows, then place
+ * the rotated q_pe after it: one dot with a KV row scores both parts. */
+static void t_absorb(void *ctx, int g, int h, int worker) {
+    (void)worker;
+    op *o = ctx;
+    microbatch *mb = o->mb;
+    const cm384_model *m = o->e->m;
+    const hparams *hp = &m->hp;
+    const layer_w *L = &m->layers[o->layer];
+    int H = hp->n_heads, qk = hp->qk_nope + hp->qk_rope, lat = hp->kv_lora + hp->qk_rope;
+    const dev_group *gr = &mb->groups[g];
+    const float *q = mb->s->q + ((size_t)gr->first * H + h) * qk;
+    float *ql = mb->s->qlat + ((size_t)gr->first * H + h) * lat;
+    o->e->k->matmul(&L->w_uk_t[h], q, gr->n, H * qk, ql, H * lat, 0, hp->kv_lora);
+    for (int t = 0; t < gr->n; t++) {
+        float *dst = ql + (size_t)t * H * lat + hp->kv_lora;
+        memcpy(dst, q + (size_t)t * H * qk + hp->qk_nope, (size_t)hp->qk_rope * sizeof(float));
+        rope(m, dst, mb->pos[gr->first + t]);
+    }
+}
+
+/* Attention core for one token, all heads: scores over its keys (in
+ * position order), softmax, and the attended latent. */
+static void t_core(void *ctx, int g, int t, int worker) {
+    op *o = ctx;
+    microbatch *mb = o->mb;
+    struct cm384_engine *e = o->e;
+    const hparams *hp = &e->m->hp;
+    const gl_kernels *k = e->k;
+    int H = hp->n_heads, lat = hp->kv_lora + hp->qk_rope, r = mb->groups[g].first + t;
+    int n_keys = mb->pos[r] + 1, sh = mb->kv_shift, mc = e->max_ctx + 1;
+    float *sc = mb->s->scores + (size_t)worker * H * mc;
+    const float *qv = mb->s->qlat + (size_t)r * H * lat;
+    const int *tab = mb->tables[r];
+    float scale = e->m->attn_scale;
+    for (int j = 0; j < n_keys; j++) {
+        const float *row = kv_row(&e->kv, tab, o->layer, j + sh);
+        for (int h = 0; h < H; h++) sc[(size_t)h * mc + j] = k->dot(qv + (size_t)h * lat, row, lat) * scale;
+    }
+    float *out = mb->s->ctx + (size_t)r * H * hp->kv_lora;
+    for (int h = 0; h < H; h++) {
+        float *p = sc + (size_t)h * mc;
+        softmax_inplace(p, n_keys);
+        float *oh = out + (size_t)h * hp->kv_lora;
+        memset(oh, 0, (size_t)hp->kv_lora * sizeof(float));
+        for (int j = 0; j < n_keys; j++) k->axpy(oh, kv_row(&e->kv, tab, o->layer, j + sh), p[j], hp->kv_lora);
+    }
+}
+
+/* Values for one head over a device's rows: att[h] = W_uv[h] ctx[h]. */
+static void t_uv(void *ctx, int g, int h, int worker) {
+    (void)worker;
+    op *o = ctx;
+    microbatch *mb = o->mb;
+    const hparams *hp = &o->e->m->hp;
+    const layer_w *L = &o->e->m->layers[o->layer];
+    int H = hp->n_heads;
+    const dev_group *gr = &mb->groups[g];
+    o->e->k->matmul(&L->w_uv[h], mb->s->ctx + ((size_t)gr->first * H + h) * hp->kv_lora, gr->n, H * hp->kv_lora,
+                    mb->s->att + ((size_t)gr->first * H + h) * hp->v_head, H * hp->v_head, 0, hp->v_head);
+}
+
+static void t_route(void *ctx, int g, int t, int worker) {
+    (void)worker;
+    op *o = ctx;
+    microbatch *mb = o->mb;
+    const hparams *hp = &o->e->m->hp;
+    int r = mb->groups[g].first + t, K = hp->top_k;
+    route_token(hp, mb->s->router + (size_t)r * hp->n_routed, o->e->m->layers[o->layer].router_bias,
+                mb->s->top_id + (size_t)r * K, mb->s->top_w + (size_t)r * K);
+}
+
+/* a = silu(a) * b over rows [r0, r0+n) of width w. */
+static void silu_mul(float *a, const float *b, size_t r0, size_t n, size_t w) {
+    float *pa = a + r0 * w;
+    const float *pb = b + r0 * w;
+    for (size_t i = 0; i < n * w; i++) pa[i] = silu(pa[i]) * pb[i];
+}
+
+/* dense FFN / shared expert at the source: rows of a device group */
+static void t_silu_group(void *ctx, int g, int t, int worker) {
+    (void)worker;
+    op *o = ctx;
+    const hparams *hp = &o->e->m->hp;
+    const layer_w *L = &o->e->m->layers[o->layer];
+    int w = L->is_moe ? L->shared.gate.rows : hp->inter;
+    silu_mul(o->mb->s->ffa, o->mb->s->ffb, (size_t)(o->mb->groups[g].first + t), 1, (size_t)w);
+}
+
+/* ---- the MoE: dispatch, experts, combine ---- */
+
+/* Source side: send each token to the rows its experts reserved (their
+ * devices counted the bytes in the layout pass).  INT8 mode quantizes the
+ * token once, with a per-token scale, and copies the bytes to every
+ * destination: the early quantization of CloudMatrix's FusedDispatch. */
+static void t_dispatch(void *ctx, int g, int t, int worker) {
+    (void)worker;
+    op *o = ctx;
+    struct cm384_engine *e = o->e;
+    microbatch *mb = o->mb;
+    fwd_scratch *s = mb->s;
+    const hparams *hp = &e->m->hp;
+    int D = hp->dim, K = hp->top_k, r = mb->groups[g].first + t;
+    int n_dst = K + (e->place[mb->phase].n_shared > 0);
+    const float *xn = s->xn + (size_t)r * D;
+    const int *rows = s->row_of + (size_t)r * (K + 1);
+    for (int k = 0; k < n_dst; k++) {
+        int row = rows[k];
+        if (e->cfg.int8_dispatch) {
+            int8_t *q = s->recv_q + (size_t)row * D;
+            if (k == 0) {
+                e->k->quantize_q8(xn, 1, D, D, q, D, &s->recv_s[row]);
+            } else {
+                memcpy(q, s->recv_q + (size_t)rows[0] * D, (size_t)D);
+                s->recv_s[row] = s->recv_s[rows[0]];
+            }
+        } else {
+            memcpy(s->recv_f + (size_t)row * D, xn, (size_t)D * sizeof(float));
         }
     }
 }
 
-/* ---- 5.7 embedding, head, MTP input ---- */
-
-static void embed_rows(const gl_mat *emb, const int32_t *tok, int n, float *x) {
-    for (int t = 0; t < n; t++) gl_row_to_f32(emb, tok[t], x + (size_t)t * emb->cols);
+static int entry_expert(const placement *p, int entry, int E) {
+    return entry < E * p->max_rep ? entry / p->max_rep : E;          /* E means the shared expert */
 }
 
-/* h = rmsnorm(x, w) for n rows; logits = head h. */
-static void head_rows(const cm384_model *m, const exec_ctx *ex, const gl_mat *head, const float *norm_w,
-                      const float *x, int n, float *h, float *logits) {
-    int dim = m->hp.dim;
-    for (int t = 0; t < n; t++) rmsnorm(h + (size_t)t * dim, x + (size_t)t * dim, norm_w, dim, m->hp.eps);
-    if (logits) mm_one(ex, head, h, n, dim, logits, head->rows);
+static const ffn_w *entry_weights(const layer_w *L, const placement *p, int entry, int E) {
+    int x = entry_expert(p, entry, E);
+    return x < E ? &L->experts[x] : &L->shared;
 }
 
-/* MTP input: x'_i = eh_proj([enorm(emb(t_{i+1})); hnorm(h_i)]); tmp holds
- * [n][2*dim]. */
-static void mtp_input(const cm384_model *m, const exec_ctx *ex, const layer_w *L, const float *h,
-                      const int32_t *next_tok, int n, float *tmp2, float *x) {
-    int dim = m->hp.dim;
-    for (int t = 0; t < n; t++) {
-        float *row = tmp2 + (size_t)t * 2 * dim;
-        gl_row_to_f32(&L->embed, next_tok[t], row);
-        rmsnorm(row, row, L->enorm, dim, m->hp.eps);
-        rmsnorm(row + dim, h + (size_t)t * dim, L->hnorm, dim, m->hp.eps);
+/* The layout pass (DeepEP's "get layout"): which received row each
+ * (token, expert) gets.  Rows are grouped by (device, expert) and, inside an
+ * expert, in token order.  The fabric traffic is counted here, once per
+ * token message. */
+static void moe_layout(op *o) {
+    struct cm384_engine *e = o->e;
+    microbatch *mb = o->mb;
+    fwd_scratch *s = mb->s;
+    const hparams *hp = &e->m->hp;
+    const placement *pl = &e->place[mb->phase];
+    int E = hp->n_routed, K = hp->top_k, D = hp->dim, l = o->layer, ne = pl->n_entries;
+    const int *dev = pl_dev(pl, l), *nrep = pl_nrep(pl, l, E), *ord = pl_order(pl, l);
+    int *count = s->entry_count, *first = s->entry_first;
+    memset(count, 0, (size_t)ne * sizeof(int));
+    for (int t = 0; t < mb->n; t++) {
+        for (int k = 0; k < K; k++) {
+            int x = s->top_id[(size_t)t * K + k];
+            count[x * pl->max_rep + t % nrep[x]]++;
+        }
+        if (pl->n_shared) count[E * pl->max_rep + t % pl->n_shared]++;
     }
-    mm_one(ex, &L->eh_proj, tmp2, n, 2 * dim, x, dim);
+    int off = 0;
+    for (int i = 0; i < ne && ord[i] >= 0; i++) { first[ord[i]] = off; off += count[ord[i]]; }
+    memset(count, 0, (size_t)ne * sizeof(int));
+    uint64_t disp = 0, disp16 = 0, comb = 0, comb16 = 0, msgs = 0;
+    uint64_t b_disp = e->cfg.int8_dispatch ? (uint64_t)D + 4 + 8 : 4ull * D + 8;
+    for (int g = 0; g < mb->n_groups; g++) {
+        int src = mb->groups[g].device;
+        for (int t = mb->groups[g].first; t < mb->groups[g].first + mb->groups[g].n; t++) {
+            for (int k = 0; k <= K; k++) {
+                int en;
+                if (k < K) {
+                    int x = s->top_id[(size_t)t * K + k];
+                    en = x * pl->max_rep + t % nrep[x];
+                    if (l < e->m->hp.n_layers + e->m->hp.n_mtp) e->expert_load[(size_t)l * E + x]++;
+                } else if (pl->n_shared) {
+                    en = E * pl->max_rep + t % pl->n_shared;
+                } else {
+                    break;
+                }
+                int row = first[en] + count[en]++;
+                s->row_of[(size_t)t * (K + 1) + k] = row;
+                s->recv_src[row] = t * (K + 1) + k;
+                int dst = dev[en];
+                fabric_count(e, src, dst, b_disp, 1);
+                fabric_count(e, dst, src, 4ull * D, 1);
+                disp += b_disp; disp16 += 2ull * D + 8; comb += 4ull * D; comb16 += 2ull * D; msgs += 2;
+            }
+        }
+    }
+    for (int i = 0; i < ne && ord[i] >= 0; i++) e->dev_rows[dev[ord[i]]] += (uint64_t)count[ord[i]];
+    atomic_fetch_add_explicit(&e->dispatch_bytes, disp, memory_order_relaxed);
+    atomic_fetch_add_explicit(&e->dispatch_bytes_bf16, disp16, memory_order_relaxed);
+    atomic_fetch_add_explicit(&e->combine_bytes, comb, memory_order_relaxed);
+    atomic_fetch_add_explicit(&e->combine_bytes_bf16, comb16, memory_order_relaxed);
+    atomic_fetch_add_explicit(&e->n_messages, msgs, memory_order_relaxed);
+}
+
+#define ROWS_PER_TASK 16
+
+static int entry_tasks(const fwd_scratch *s, int en) {
+    return (s->entry_count[en] + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
+}
+
+/* Receiver side, INT8 dispatch into float expert weights: dequantize. */
+static void t_recv_dequant(void *ctx, int en, int c, int worker) {
+    (void)worker;
+    op *o = ctx;
+    fwd_scratch *s = o->mb->s;
+    int D = o->e->m->hp.dim;
+    int r0 = s->entry_first[en] + c * ROWS_PER_TASK, r1 = r0 + ROWS_PER_TASK;
+    if (r1 > s->entry_first[en] + s->entry_count[en]) r1 = s->entry_first[en] + s->entry_count[en];
+    for (int r = r0; r < r1; r++) {
+        const int8_t *q = s->recv_q + (size_t)r * D;
+        float *f = s->recv_f + (size_t)r * D, sc = s->recv_s[r];
+        for (int d = 0; d < D; d++) f[d] = (float)q[d] * sc;
+    }
+}
+
+static int ex_width(const hparams *hp) {
+    int sh = hp->moe_inter * hp->n_shared;
+    return hp->moe_inter > sh ? hp->moe_inter : sh;
+}
+
+static void t_silu_entry(void *ctx, int en, int c, int worker) {
+    (void)worker;
+    op *o = ctx;
+    fwd_scratch *s = o->mb->s;
+    const hparams *hp = &o->e->m->hp;
+    const placement *pl = &o->e->place[o->mb->phase];
+    int w = entry_weights(&o->e->m->layers[o->layer], pl, en, hp->n_routed)->gate.rows;
+    int r0 = s->entry_first[en] + c * ROWS_PER_TASK, n = ROWS_PER_TASK;
+    if (r0 + n > s->entry_first[en] + s->entry_count[en]) n = s->entry_first[en] + s->entry_count[en] - r0;
+    int W = ex_width(hp);
+    for (int r = r0; r < r0 + n; r++) silu_mul(s->ex_a + (size_t)r * W, s->ex_b + (size_t)r * W, 0, 1, (size_t)w);
+}
+
+/* Expert side: write the outputs back into the source's combine buffer. */
+static void t_combine(void *ctx, int en, int c, int worker) {
+    (void)worker;
+    op *o = ctx;
+    fwd_scratch *s = o->mb->s;
+    int D = o->e->m->hp.dim;
+    int r0 = s->entry_first[en] + c * ROWS_PER_TASK, r1 = r0 + ROWS_PER_TASK;
+    if (r1 > s->entry_first[en] + s->entry_count[en]) r1 = s->entry_first[en] + s->entry_count[en];
+    for (int r = r0; r < r1; r++)
+        memcpy(s->comb + (size_t)s->recv_src[r] * D, s->ex_out + (size_t)r * D, (size_t)D * sizeof(float));
+}
+
+/* ---- the operations ---- */
+
+#define FOR_GROUPS(mb, g) for (int g = 0; g < (mb)->n_groups; g++)
+
+static int attn_stage(op *o, region *rg) {
+    microbatch *mb = o->mb;
+    const hparams *hp = &o->e->m->hp;
+    const layer_w *L = &o->e->m->layers[o->layer];
+    fwd_scratch *s = mb->s;
+    int D = hp->dim, H = hp->n_heads, qk = hp->qk_nope + hp->qk_rope, lat = hp->kv_lora + hp->qk_rope;
+    rg->name = "attention"; rg->layer = o->layer; rg->mb = mb->index;
+    for (;;) switch (o->stage++) {
+    case 0:
+        FOR_GROUPS(mb, g) region_add(rg, t_norm, o, g, mb->groups[g].n, mb->groups[g].device);
+        return 1;
+    case 1:                                   /* down-projections: q_a (or q) and kv_a */
+        mb->pending = PEND_NONE;
+        o->n_jobs = 0;
+        FOR_GROUPS(mb, g) {
+            size_t f = (size_t)mb->groups[g].first;
+            int n = mb->groups[g].n, d = mb->groups[g].device;
+            if (hp->q_lora) op_mm(o, rg, &L->wq_a, s->xn + f * D, D, s->qa + f * hp->q_lora, hp->q_lora, n, d);
+            else op_mm(o, rg, &L->wq, s->xn + f * D, D, s->q + f * H * qk, H * qk, n, d);
+            op_mm(o, rg, &L->wkv_a, s->xn + f * D, D, s->kva + f * lat, lat, n, d);
+        }
+        return 1;
+    case 2:
+        FOR_GROUPS(mb, g) region_add(rg, t_kv_write, o, g, mb->groups[g].n, mb->groups[g].device);
+        return 1;
+    case 3:
+        if (!hp->q_lora) continue;
+        o->n_jobs = 0;
+        FOR_GROUPS(mb, g) {
+            size_t f = (size_t)mb->groups[g].first;
+            op_mm(o, rg, &L->wq_b, s->qa + f * hp->q_lora, hp->q_lora, s->q + f * H * qk, H * qk,
+                  mb->groups[g].n, mb->groups[g].device);
+        }
+        return 1;
+    case 4:
+        FOR_GROUPS(mb, g) region_add(rg, t_absorb, o, g, H, mb->groups[g].device);
+        return 1;
+    case 5:
+        FOR_GROUPS(mb, g) region_add(rg, t_core, o, g, mb->groups[g].n, mb->groups[g].device);
+        return 1;
+    case 6:
+        FOR_GROUPS(mb, g) region_add(rg, t_uv, o, g, H, mb->groups[g].device);
+        return 1;
+    case 7:
+        o->n_jobs = 0;
+        FOR_GROUPS(mb, g) {
+            size_t f = (size_t)mb->groups[g].first;
+            op_mm(o, rg, &L->wo, s->att + f * H * hp->v_head, H * hp->v_head, s->tmp + f * D, D,
+                  mb->groups[g].n, mb->groups[g].device);
+        }
+        return 1;
+    default:
+        mb->pending = PEND_ADD_TMP;
+        return 0;
+    }
+}
+
+static int dense_stage(op *o, region *rg) {
+    microbatch *mb = o->mb;
+    const hparams *hp = &o->e->m->hp;
+    const layer_w *L = &o->e->m->layers[o->layer];
+    fwd_scratch *s = mb->s;
+    int D = hp->dim, I = hp->inter;
+    rg->name = "ffn"; rg->layer = o->layer; rg->mb = mb->index;
+    switch (o->stage++) {
+    case 0:
+        FOR_GROUPS(mb, g) region_add(rg, t_norm, o, g, mb->groups[g].n, mb->groups[g].device);
+        return 1;
+    case 1:
+        mb->pending = PEND_NONE;
+        o->n_jobs = 0;
+        FOR_GROUPS(mb, g) {
+            size_t f = (size_t)mb->groups[g].first;
+            op_mm(o, rg, &L->dense.gate, s->xn + f * D, D, s->ffa + f * I, I, mb->groups[g].n, mb->groups[g].device);
+            op_mm(o, rg, &L->dense.up, s->xn + f * D, D, s->ffb + f * I, I, mb->groups[g].n, mb->groups[g].device);
+        }
+        return 1;
+    case 2:
+        FOR_GROUPS(mb, g) region_add(rg, t_silu_group, o, g, mb->groups[g].n, mb->groups[g].device);
+        return 1;
+    case 3:
+        o->n_jobs = 0;
+        FOR_GROUPS(mb, g) {
+            size_t f = (size_t)mb->groups[g].first;
+            op_mm(o, rg, &L->dense.down, s->ffa + f * I, I, s->tmp + f * D, D, mb->groups[g].n, mb->groups[g].device);
+        }
+        return 1;
+    default:
+        mb->pending = PEND_ADD_TMP;
+        return 0;
+    }
+}
+
+static int moe_stage(op *o, region *rg) {
+    microbatch *mb = o->mb;
+    struct cm384_engine *e = o->e;
+    const hparams *hp = &e->m->hp;
+    const layer_w *L = &e->m->layers[o->layer];
+    const placement *pl = &e->place[mb->phase];
+    fwd_scratch *s = mb->s;
+    int D = hp->dim, E = hp->n_routed, K = hp->top_k, W = ex_width(hp);
+    int at_source = L->shared.gate.data && pl->n_shared == 0, SI = L->shared.gate.rows;
+    const int *dev = pl_dev(pl, o->layer), *ord = pl_order(pl, o->layer);
+    rg->name = "moe"; rg->layer = o->layer; rg->mb = mb->index;
+    for (;;) switch (o->stage++) {
+    case 0:
+        FOR_GROUPS(mb, g) region_add(rg, t_norm, o, g, mb->groups[g].n, mb->groups[g].device);
+        return 1;
+    case 1:                                   /* router, and the shared expert at the source */
+        mb->pending = PEND_NONE;
+        o->n_jobs = 0;
+        FOR_GROUPS(mb, g) {
+            size_t f = (size_t)mb->groups[g].first;
+            int n = mb->groups[g].n, d = mb->groups[g].device;
+            op_mm(o, rg, &L->router, s->xn + f * D, D, s->router + f * E, E, n, d);
+            if (at_source) {
+                op_mm(o, rg, &L->shared.gate, s->xn + f * D, D, s->ffa + f * SI, SI, n, d);
+                op_mm(o, rg, &L->shared.up, s->xn + f * D, D, s->ffb + f * SI, SI, n, d);
+            }
+        }
+        return 1;
+    case 2:
+        rg->name = "router";
+        FOR_GROUPS(mb, g) region_add(rg, t_route, o, g, mb->groups[g].n, mb->groups[g].device);
+        if (at_source) FOR_GROUPS(mb, g) region_add(rg, t_silu_group, o, g, mb->groups[g].n, mb->groups[g].device);
+        return 1;
+    case 3:                                   /* layout, then dispatch */
+        moe_layout(o);
+        rg->name = "dispatch";
+        FOR_GROUPS(mb, g) region_add(rg, t_dispatch, o, g, mb->groups[g].n, mb->groups[g].device);
+        o->n_jobs = 0;
+        if (at_source) FOR_GROUPS(mb, g) {
+            size_t f = (size_t)mb->groups[g].first;
+            op_mm(o, rg, &L->shared.down, s->ffa + f * SI, SI, s->comb + (f * (K + 1) + K) * D, (K + 1) * D,
+                  mb->groups[g].n, mb->groups[g].device);
+        }
+        return 1;
+    case 4:                                   /* receivers turn INT8 rows into fp32 */
+        if (!e->cfg.int8_dispatch) continue;
+        rg->name = "experts";
+        for (int i = 0; i < pl->n_entries && ord[i] >= 0; i++)
+            region_add(rg, t_recv_dequant, o, ord[i], entry_tasks(s, ord[i]), dev[ord[i]]);
+        return 1;
+    case 5:                                   /* each expert over all rows it received */
+        rg->name = "experts";
+        o->n_jobs = 0;
+        for (int i = 0; i < pl->n_entries && ord[i] >= 0; i++) {
+            int en = ord[i], n = s->entry_count[en];
+            size_t f = (size_t)s->entry_first[en];
+            const ffn_w *fw = entry_weights(L, pl, en, E);
+            op_mm(o, rg, &fw->gate, s->recv_f + f * D, D, s->ex_a + f * W, W, n, dev[en]);
+            op_mm(o, rg, &fw->up, s->recv_f + f * D, D, s->ex_b + f * W, W, n, dev[en]);
+        }
+        return 1;
+    case 6:
+        rg->name = "experts";
+        for (int i = 0; i < pl->n_entries && ord[i] >= 0; i++)
+            region_add(rg, t_silu_entry, o, ord[i], entry_tasks(s, ord[i]), dev[ord[i]]);
+        return 1;
+    case 7:
+        rg->name = "experts";
+        o->n_jobs = 0;
+        for (int i = 0; i < pl->n_entries && ord[i] >= 0; i++) {
+            int en = ord[i], n = s->entry_count[en];
+            size_t f = (size_t)s->entry_first[en];
+            const ffn_w *fw = entry_weights(L, pl, en, E);
+            op_mm(o, rg, &fw->down, s->ex_a + f * W, W, s->ex_out + f * D, D, n, dev[en]);
+        }
+        return 1;
+    case 8:
+        rg->name = "combine";
+        for (int i = 0; i < pl->n_entries && ord[i] >= 0; i++)
+            region_add(rg, t_combine, o, ord[i], entry_tasks(s, ord[i]), dev[ord[i]]);
+        return 1;
+    default:
+        mb->pending = PEND_COMBINE;
+        mb->pending_layer = o->layer;
+        return 0;
+    }
+}
+
+static void t_mtp_in(void *ctx, int g, int t, int worker) {
+    (void)worker;
+    op *o = ctx;
+    microbatch *mb = o->mb;
+    const cm384_model *m = o->e->m;
+    const layer_w *L = &m->layers[o->layer];
+    int D = m->hp.dim, r = mb->groups[g].first + t;
+    float *row = mb->s->ffa + (size_t)r * 2 * D;
+    gl_row_to_f32(&L->embed, mb->tok[r], row);
+    rmsnorm(row, row, L->enorm, D, m->hp.eps);
+    rmsnorm(row + D, o->h_in + (size_t)r * D, L->hnorm, D, m->hp.eps);
+}
+
+/* MTP input: x'_i = eh_proj([enorm(emb(t_{i+1})); hnorm(h_i)]) (embedding
+ * half first, as the released weights expect). */
+static int mtp_in_stage(op *o, region *rg) {
+    microbatch *mb = o->mb;
+    const cm384_model *m = o->e->m;
+    int D = m->hp.dim;
+    rg->name = "mtp"; rg->layer = o->layer; rg->mb = mb->index;
+    switch (o->stage++) {
+    case 0:
+        FOR_GROUPS(mb, g) region_add(rg, t_mtp_in, o, g, mb->groups[g].n, mb->groups[g].device);
+        return 1;
+    case 1:
+        mb->pending = PEND_NONE;
+        o->n_jobs = 0;
+        FOR_GROUPS(mb, g) {
+            size_t f = (size_t)mb->groups[g].first;
+            op_mm(o, rg, &m->layers[o->layer].eh_proj, mb->s->ffa + f * 2 * D, 2 * D, mb->s->x + f * D, D,
+                  mb->groups[g].n, mb->groups[g].device);
+        }
+        return 1;
+    default:
+        return 0;
+    }
+}
+
+/* Final norm (into xn, and packed into hsel for rows that want logits),
+ * then the head over those rows. */
+static int head_stage(op *o, region *rg) {
+    microbatch *mb = o->mb;
+    fwd_scratch *s = mb->s;
+    int D = o->e->m->hp.dim, V = o->head->rows;
+    rg->name = "head"; rg->layer = o->layer; rg->mb = mb->index;
+    switch (o->stage++) {
+    case 0: {
+        int cnt = 0;
+        FOR_GROUPS(mb, g) {
+            s->sel_first[g] = cnt;
+            for (int t = mb->groups[g].first; t < mb->groups[g].first + mb->groups[g].n; t++)
+                s->sel[t] = !mb->want || mb->want[t] ? cnt++ : -1;
+            s->sel_n[g] = cnt - s->sel_first[g];
+        }
+        FOR_GROUPS(mb, g) region_add(rg, t_norm, o, g, mb->groups[g].n, mb->groups[g].device);
+        return 1;
+    }
+    case 1:
+        mb->pending = PEND_NONE;
+        o->n_jobs = 0;
+        if (mb->logits) FOR_GROUPS(mb, g)
+            op_mm(o, rg, o->head, s->hsel + (size_t)s->sel_first[g] * D, D, mb->logits + (size_t)s->sel_first[g] * V, V,
+                  s->sel_n[g], mb->groups[g].device);
+        return 1;
+    default:
+        return 0;
+    }
+}
+
+static int op_stage(op *o, region *rg) {
+    switch (o->kind) {
+    case OP_ATTN:   return attn_stage(o, rg);
+    case OP_FFN:    return o->e->m->layers[o->layer].is_moe ? moe_stage(o, rg) : dense_stage(o, rg);
+    case OP_HEAD:   return head_stage(o, rg);
+    case OP_MTP_IN: return mtp_in_stage(o, rg);
+    }
+    return 0;
+}
+
+static void op_init(op *o, struct cm384_engine *e, microbatch *mb, int kind, int layer) {
+    memset(o, 0, sizeof *o);
+    o->e = e; o->mb = mb; o->kind = kind; o->layer = layer;
+    if (kind == OP_HEAD) {              /* layer -1: the main head; else an MTP layer's head */
+        const cm384_model *m = e->m;
+        o->head = layer < m->hp.n_layers ? &m->head : &m->layers[layer].head;
+        o->head_norm = layer < m->hp.n_layers ? m->final_norm : m->layers[layer].head_norm;
+    }
+}
+
+/* Runs two operations (b may be NULL) stage by stage, sharing each region. */
+static void run_ops(struct cm384_engine *e, op *a, op *b) {
+    int more_a = a != NULL, more_b = b != NULL;
+    while (more_a || more_b) {
+        if (more_a) more_a = op_stage(a, &e->rg);
+        if (more_b) more_b = op_stage(b, &e->rg);
+        region_run(&e->rg);
+    }
 }
 
 /* ======================================================================== */
-/* 6. The engine                                                            */
+/* 8. Context cache (the EMS role)                                          */
+/* ======================================================================== */
+/* Full KV blocks are indexed by a hash chain over their tokens: a block's
+ * key hashes its tenant, its parent's key and its B tokens, so a key names a
+ * whole prefix.  A request looks up its prompt block by block and reuses the
+ * longest cached prefix (never its last token, which must be computed to give
+ * logits).  Blocks are reference-counted: requests hold them while they run,
+ * the cache holds one reference for each indexed block.  Indexed blocks that
+ * only the cache holds are evictable, least recently used first, and the
+ * cache keeps at most cache_blocks_max of them.  The key includes the tenant
+ * and a hit is verified token by token, so tenants never share an entry. */
+
+static uint64_t mix64(uint64_t x) {                       /* splitmix64 finalizer */
+    x ^= x >> 30; x *= 0xbf58476d1ce4e5b9ull;
+    x ^= x >> 27; x *= 0x94d049bb133111ebull;
+    return x ^ (x >> 31);
+}
+
+static uint64_t block_key(uint64_t parent, uint32_t tenant, const int32_t *tok, int n) {
+    uint64_t h = mix64(parent ^ 0x9e3779b97f4a7c15ull) ^ mix64((uint64_t)tenant + 0x632be59bd9b4e019ull);
+    for (int i = 0; i < n; i++) h = mix64(h ^ (uint64_t)(uint32_t)tok[i]) + (uint64_t)i;
+    return h | 1;                                          /* 0 means "no parent" */
+}
+
+static void lru_unlink(struct cm384_engine *e, int b) {
+    block_meta *m = &e->bm[b];
+    if (m->lru_prev >= 0) e->bm[m->lru_prev].lru_next = m->lru_next; else if (e->lru_head == b) e->lru_head = m->lru_next;
+    if (m->lru_next >= 0) e->bm[m->lru_next].lru_prev = m->lru_prev; else if (e->lru_tail == b) e->lru_tail = m->lru_prev;
+    m->lru_prev = m->lru_next = -1;
+}
+
+static void lru_push(struct cm384_engine *e, int b) {
+    block_meta *m = &e->bm[b];
+    m->lru_prev = e->lru_tail;
+    m->lru_next = -1;
+    if (e->lru_tail >= 0) e->bm[e->lru_tail].lru_next = b; else e->lru_head = b;
+    e->lru_tail = b;
+}
+
+static int index_slot(const struct cm384_engine *e, uint64_t key) { return (int)(key & (uint64_t)(e->index_cap - 1)); }
+
+/* Removes block b from the cache index (linear probing with backward shift). */
+static void index_remove(struct cm384_engine *e, int b) {
+    int i = index_slot(e, e->bm[b].hash);
+    while (e->index[i] != b) i = (i + 1) & (e->index_cap - 1);
+    e->index[i] = -1;
+    for (int j = (i + 1) & (e->index_cap - 1); e->index[j] >= 0; j = (j + 1) & (e->index_cap - 1)) {
+        int k = index_slot(e, e->bm[e->index[j]].hash);
+        /* move j back into the hole if its home slot is not in (i, j] */
+        if ((j > i && (k <= i || k > j)) || (j < i && k <= i && k > j)) {
+            e->index[i] = e->index[j];
+            e->index[j] = -1;
+            i = j;
+        }
+    }
+}
+
+static void cache_evict(struct cm384_engine *e, int b) {
+    lru_unlink(e, b);
+    index_remove(e, b);
+    e->bm[b].cached = 0;
+    e->bm[b].ref = 0;
+    e->n_cached--;
+    e->free_blocks[e->n_free++] = b;
+}
+
+/* A free block, evicting the least recently used cached one if needed;
+ * -1 if every block is in use. */
+static int block_get(struct cm384_engine *e) {
+    if (!e->n_free && e->lru_head >= 0) cache_evict(e, e->lru_head);
+    if (!e->n_free) return -1;
+    int b = e->free_blocks[--e->n_free];
+    e->bm[b].ref = 1;
+    return b;
+}
+
+static int blocks_available(const struct cm384_engine *e) {
+    int n = e->n_free;
+    for (int b = e->lru_head; b >= 0; b = e->bm[b].lru_next) n++;
+    return n;
+}
+
+static void block_unref(struct cm384_engine *e, int b) {
+    block_meta *m = &e->bm[b];
+    if (--m->ref == 0) e->free_blocks[e->n_free++] = b;
+    else if (m->cached && m->ref == 1) lru_push(e, b);
+}
+
+static int cache_find(const struct cm384_engine *e, uint64_t key, uint64_t parent, uint32_t tenant, const int32_t *tok) {
+    if (!e->index_cap) return -1;
+    for (int i = index_slot(e, key); e->index[i] >= 0; i = (i + 1) & (e->index_cap - 1)) {
+        const block_meta *m = &e->bm[e->index[i]];
+        if (m->hash == key && m->parent == parent && m->tenant == tenant &&
+            !memcmp(m->tokens, tok, (size_t)e->kv.block_tokens * sizeof(int32_t)))
+            return e->index[i];
+    }
+    return -1;
+}
+
+/* Offers block b (full, holding tok) to the cache; the cache takes its own
+ * reference.  Returns 1 if indexed. */
+static int cache_insert(struct cm384_engine *e, int b, uint64_t key, uint64_t parent, uint32_t tenant, const int32_t *tok) {
+    if (e->cache_blocks_max <= 0 || e->bm[b].cached) return 0;
+    if (cache_find(e, key, parent, tenant, tok) >= 0) return 0;          /* someone else's copy */
+    while (e->n_cached >= e->cache_blocks_max && e->lru_head >= 0) cache_evict(e, e->lru_head);
+    if (e->n_cached >= e->cache_blocks_max) return 0;
+    block_meta *m = &e->bm[b];
+    m->hash = key; m->parent = parent; m->tenant = tenant; m->cached = 1; m->ref++;
+    memcpy(m->tokens, tok, (size_t)e->kv.block_tokens * sizeof(int32_t));
+    int i = index_slot(e, key);
+    while (e->index[i] >= 0) i = (i + 1) & (e->index_cap - 1);
+    e->index[i] = b;
+    e->n_cached++;
+    return 1;
+}
+
+/* ======================================================================== */
+/* 9. Building the supernode: roles and expert placement                    */
 /* ======================================================================== */
 
-struct cm384_engine {
-    const cm384_model *m;
-    cm384_config       cfg;
-    exec_ctx           ex;
-    kv_pool            kv;
-    int               *free_blocks;     /* stack of free block ids               */
-    int                n_free;
-    fwd_scratch        s;
-    int                step_cap;        /* tokens per forward step               */
-    int               *pos;             /* [step_cap]                            */
-    const int        **tables;          /* [step_cap]                            */
+static int pl_alloc(placement *p, int layers, int E, int max_rep, int n_shared) {
+    p->max_rep = max_rep;
+    p->n_shared = n_shared;
+    p->n_entries = E * max_rep + n_shared;
+    if (p->n_entries < 1) p->n_entries = 1;
+    p->dev = CM384_MALLOC((size_t)layers * p->n_entries * sizeof(int));
+    p->order = CM384_MALLOC((size_t)layers * p->n_entries * sizeof(int));
+    p->n_rep = CM384_MALLOC((size_t)layers * (E > 0 ? E : 1) * sizeof(int));
+    if (!p->dev || !p->order || !p->n_rep) return fail(CM384_E_NOMEM, "out of memory for expert placement");
+    for (size_t i = 0; i < (size_t)layers * p->n_entries; i++) p->dev[i] = -1;
+    for (size_t i = 0; i < (size_t)layers * (E > 0 ? E : 1); i++) p->n_rep[i] = 1;
+    return CM384_OK;
+}
+
+static void pl_free(placement *p) {
+    CM384_FREE(p->dev); CM384_FREE(p->order); CM384_FREE(p->n_rep);
+    memset(p, 0, sizeof *p);
+}
+
+/* EPLB-style rebalancing from measured load: each redundant device of the
+ * decode placement hosts a replica of one of the hottest experts of each
+ * layer (the devices after the primaries); a token picks a replica by its
+ * row, so a hot expert's rows split between two devices. */
+static void eplb_rebalance(struct cm384_engine *e, const uint64_t *load_since) {
+    const hparams *hp = &e->m->hp;
+    placement *p = &e->place[PHASE_DECODE];
+    int E = hp->n_routed, NL = hp->n_layers + hp->n_mtp;
+    if (p->max_rep < 2) return;
+    int n_red = 0, *red = NULL;
+    for (int d = 0; d < e->n_dev; d++) if (e->dev[d].roles & ROLE_EXPERT && e->dev[d].n_hosted == 0) n_red++;
+    if (!n_red || !(red = CM384_MALLOC((size_t)n_red * sizeof(int)))) return;
+    n_red = 0;
+    for (int d = 0; d < e->n_dev; d++) if (e->dev[d].roles & ROLE_EXPERT && e->dev[d].n_hosted == 0) red[n_red++] = d;
+    for (int l = 0; l < NL; l++) {
+        if (!e->m->layers[l].is_moe) continue;
+        int *dev = pl_dev(p, l), *nrep = pl_nrep(p, l, E);
+        const uint64_t *ld = load_since + (size_t)l * E;
+        unsigned char taken[1024] = {0};
+        for (int x = 0; x < E; x++) { nrep[x] = 1; dev[x * p->max_rep + 1] = -1; }
+        for (int j = 0; j < n_red && j < E; j++) {
+            int best = -1;
+            for (int x = 0; x < E; x++) if (!taken[x] && (best < 0 || ld[x] > ld[best])) best = x;
+            taken[best] = 1;
+            dev[best * p->max_rep + 1] = red[j];
+            nrep[best] = 2;
+        }
+        pl_sort(p, l);
+    }
+    CM384_FREE(red);
+}
+
+static int build_topology(struct cm384_engine *e) {
+    const hparams *hp = &e->m->hp;
+    const cm384_config *c = &e->cfg;
+    int E = hp->n_routed, K = hp->top_k > 0 ? hp->top_k : 1, W = e->n_workers;
+    int NL = hp->n_layers + hp->n_mtp, r;
+    int paper = !strcmp(e->preset, "paper"), single = !strcmp(e->preset, "single");
+    int n_pre, n_attn, first_attn, first_exp, n_exp, n_shared = 0, n_red = 0;
+    e->n_dev = single ? 1 : c->n_devices;
+    if (paper) {
+        n_shared = E && hp->n_shared ? (E / K > 0 ? E / K : 1) : 0;
+        n_red = E >= 8 ? E / 8 : E > 0 ? 1 : 0;
+        n_pre = E >= 8 ? E / 8 : 1;
+        int n_decode = E ? E + n_shared + n_red : W;
+        if (n_pre + n_decode > e->n_dev)
+            return fail(CM384_E_INVALID, "the paper preset needs %d devices for this model (%d prefill, %d decode: "
+                        "%d experts + %d shared replicas + %d redundant); n_devices is %d",
+                        n_pre + n_decode, n_pre, n_decode, E, n_shared, n_red, e->n_dev);
+        first_attn = n_pre; n_attn = n_decode;
+        first_exp = n_pre; n_exp = E;
+    } else if (single) {
+        n_pre = 1; first_attn = 0; n_attn = 1; first_exp = 0; n_exp = 1;
+    } else {
+        n_pre = W < e->n_dev ? W : e->n_dev;
+        n_attn = n_pre;
+        first_attn = 2 * W <= e->n_dev ? n_pre : 0;
+        first_exp = first_attn + n_attn;
+        n_exp = E < e->n_dev - first_exp ? E : e->n_dev - first_exp;
+        if (n_exp <= 0) { first_exp = 0; n_exp = e->n_dev < E ? e->n_dev : (E > 0 ? E : 1); }
+    }
+    e->dev = CM384_CALLOC((size_t)e->n_dev, sizeof(device));
+    e->pre_devs = CM384_MALLOC((size_t)n_pre * sizeof(int));
+    e->attn_devs = CM384_MALLOC((size_t)n_attn * sizeof(int));
+    if (!e->dev || !e->pre_devs || !e->attn_devs) return fail(CM384_E_NOMEM, "out of memory for devices");
+    e->n_pre = n_pre;
+    e->n_attn = n_attn;
+    for (int i = 0; i < n_pre; i++) { e->pre_devs[i] = i; e->dev[i].roles |= ROLE_PREFILL; }
+    for (int i = 0; i < n_attn; i++) { e->attn_devs[i] = first_attn + i; e->dev[first_attn + i].roles |= ROLE_ATTN; }
+    if ((r = pl_alloc(&e->place[PHASE_PREFILL], NL, E, 1, 0))) return r;
+    if ((r = pl_alloc(&e->place[PHASE_DECODE], NL, E, paper && n_red ? 2 : 1, n_shared))) return r;
+    for (int l = 0; l < NL; l++) {
+        int *pd = pl_dev(&e->place[PHASE_PREFILL], l), *dd = pl_dev(&e->place[PHASE_DECODE], l);
+        int mr = e->place[PHASE_DECODE].max_rep;
+        for (int x = 0; x < E; x++) {
+            pd[x] = e->pre_devs[x % n_pre];
+            dd[x * mr] = first_exp + x % n_exp;
+        }
+        for (int j = 0; j < n_shared; j++) dd[E * mr + j] = first_exp + E + j;
+        pl_sort(&e->place[PHASE_PREFILL], l);
+        pl_sort(&e->place[PHASE_DECODE], l);
+    }
+    for (int x = 0; x < E; x++) {
+        e->dev[first_exp + x % n_exp].roles |= ROLE_EXPERT;
+        e->dev[first_exp + x % n_exp].n_hosted++;
+    }
+    for (int j = 0; j < n_shared; j++) e->dev[first_exp + E + j].roles |= ROLE_SHARED;
+    for (int j = 0; j < n_red; j++) e->dev[first_exp + E + n_shared + j].roles |= ROLE_EXPERT;
+    if (n_red) {
+        /* start with replicas of evenly spaced experts until load is measured */
+        uint64_t *flat = CM384_CALLOC((size_t)NL * E, sizeof(uint64_t));
+        if (!flat) return fail(CM384_E_NOMEM, "out of memory");
+        for (int l = 0; l < NL; l++) for (int j = 0; j < n_red; j++) flat[(size_t)l * E + (j * E / n_red) % E] = 1;
+        eplb_rebalance(e, flat);
+        CM384_FREE(flat);
+    }
+    return CM384_OK;
+}
+
+/* ======================================================================== */
+/* 10. Forward steps and microbatch pipelining                              */
+/* ======================================================================== */
+/* One microbatch runs attention, feed-forward, attention, ... head.  Two
+ * microbatches run as a pipeline shifted by one operation, so that every
+ * region holds one microbatch's attention and the other's MoE -- the decode
+ * pipeline of CloudMatrix-Infer, where attention and MoE run on two streams.
+ *
+ *     region:   attn0(A) | ffn0(A) attn0(B) | attn1(A) ffn0(B) | ...
+ *
+ * Each token's arithmetic is the same either way. */
+
+typedef struct mb_arrays {          /* storage behind a microbatch's pointers */
+    int32_t        *tok;
+    int            *pos;
+    const int     **tables;
+    unsigned char  *want;
+    dev_group      *groups;
+} mb_arrays;
+
+static void seq_op(op *o, struct cm384_engine *e, microbatch *mb, int i) {
+    int NL = e->m->hp.n_layers;
+    if (i < 2 * NL) op_init(o, e, mb, i % 2 ? OP_FFN : OP_ATTN, i / 2);
+    else op_init(o, e, mb, OP_HEAD, -1);
+}
+
+/* Main layers and head for one or two microbatches. */
+static void forward_main(struct cm384_engine *e, microbatch *mb, int n_mb) {
+    int n_ops = 2 * e->m->hp.n_layers + 1;
+    op a, b;
+    for (int i = 0; i < n_mb; i++) mb[i].pending = PEND_EMBED;      /* the first norm embeds */
+    if (n_mb == 1) {
+        for (int i = 0; i < n_ops; i++) { seq_op(&a, e, &mb[0], i); run_ops(e, &a, NULL); }
+        return;
+    }
+    for (int i = 0; i <= n_ops; i++) {
+        if (i < n_ops) seq_op(&a, e, &mb[0], i);
+        if (i >= 1) seq_op(&b, e, &mb[1], i - 1);
+        run_ops(e, i < n_ops ? &a : NULL, i >= 1 ? &b : NULL);
+    }
+}
+
+/* The MTP module over one microbatch whose tok[] are the next tokens and
+ * h_in the main model's final-normed hidden rows. */
+static void forward_mtp(struct cm384_engine *e, microbatch *mb, const float *h_in) {
+    int l = e->m->hp.n_layers;
+    op o;
+    op_init(&o, e, mb, OP_MTP_IN, l); o.h_in = h_in; run_ops(e, &o, NULL);
+    op_init(&o, e, mb, OP_ATTN, l); run_ops(e, &o, NULL);
+    op_init(&o, e, mb, OP_FFN, l); run_ops(e, &o, NULL);
+    op_init(&o, e, mb, OP_HEAD, l); run_ops(e, &o, NULL);
+}
+
+/* Fills the groups of a microbatch whose tokens are already ordered by
+ * device (dev_of[i] for row i). */
+static void mb_make_groups(microbatch *mb, dev_group *groups, const int *dev_of) {
+    mb->groups = groups;
+    mb->n_groups = 0;
+    for (int i = 0; i < mb->n; i++) {
+        if (mb->n_groups == 0 || groups[mb->n_groups - 1].device != dev_of[i])
+            groups[mb->n_groups++] = (dev_group){dev_of[i], i, 0};
+        groups[mb->n_groups - 1].n++;
+    }
+}
+
+/* ======================================================================== */
+/* 11. Sampling                                                             */
+/* ======================================================================== */
+/* Greedy (temperature 0: the highest logit, lowest id on ties) or
+ * temperature -> top-k -> min-p -> top-p, then a draw from the request's own
+ * generator (splitmix64 seeded with the request's seed), so a seed always
+ * gives the same tokens, whatever else the engine runs. */
+
+typedef struct cand { float p; int id; } cand;
+
+static uint64_t rng_next(uint64_t *s) { *s += 0x9e3779b97f4a7c15ull; return mix64(*s); }
+static double rng_uniform(uint64_t *s) { return (double)(rng_next(s) >> 11) * (1.0 / 9007199254740992.0); }
+
+static int cand_cmp(const void *a, const void *b) {
+    const cand *x = a, *y = b;
+    if (x->p != y->p) return x->p > y->p ? -1 : 1;
+    return x->id - y->id;
+}
+
+static int sample_token(const float *logits, int V, const cm384_sampling *sp, uint64_t *rng, cand *c) {
+    int best = 0;
+    for (int i = 1; i < V; i++) if (logits[i] > logits[best]) best = i;
+    if (sp->temperature <= 0) return best;
+    float mx = logits[best], inv_t = 1.0f / sp->temperature;
+    int n = 0;
+    for (int i = 0; i < V; i++) {
+        float p = expf((logits[i] - mx) * inv_t);
+        if (p > 0) c[n++] = (cand){p, i};
+    }
+    /* keep only what can matter: top-k, min-p, and a prefix big enough to
+       hold the nucleus (every token left out is less likely than every
+       token kept, so the nucleus is inside) */
+    double total = 0;
+    for (int i = 0; i < n; i++) total += c[i].p;
+    float pmax = 1.0f;                             /* the best token has p = 1 */
+    float floor_p = sp->min_p > 0 ? sp->min_p * pmax : 0;
+    int keep = n;
+    if (!(floor_p > 0 || (sp->top_p > 0 && sp->top_p < 1) || (sp->top_k > 0 && sp->top_k < n))) {
+        double r = rng_uniform(rng) * total, acc = 0;          /* plain temperature: no order needed */
+        for (int i = 0; i < n; i++) { acc += c[i].p; if (r < acc) return c[i].id; }
+        return c[n - 1].id;
+    }
+    {
+        for (double tau = 1e-3; ; tau *= 1e-3) {
+            float th = floor_p > tau ? floor_p : (float)tau;
+            double mass = 0;
+            int m = 0;
+            for (int i = 0; i < n; i++) if (c[i].p >= th) mass += c[i].p;
+            for (int i = 0; i < n; i++) if (c[i].p >= th) m++;
+            int enough_k = sp->top_k > 0 && m >= sp->top_k;
+            int enough_p = sp->top_p > 0 && sp->top_p < 1 && mass >= sp->top_p * total;
+            if (th == floor_p || enough_k || enough_p || tau < 1e-30) {
+                int j = 0;
+                for (int i = 0; i < n; i++) if (c[i].p >= th) c[j++] = c[i];
+                keep = j;
+                break;
+            }
+        }
+    }
+    qsort(c, (size_t)keep, sizeof *c, cand_cmp);
+    if (sp->top_k > 0 && keep > sp->top_k) keep = sp->top_k;
+    double sum = 0;
+    for (int i = 0; i < keep; i++) sum += c[i].p;
+    if (sp->top_p > 0 && sp->top_p < 1) {
+        double acc = 0;
+        int j = 0;
+        while (j < keep) { acc += c[j].p; j++; if (acc >= sp->top_p * sum) break; }
+        keep = j;
+        sum = acc;
+    }
+    double r = rng_uniform(rng) * sum, acc = 0;
+    for (int i = 0; i < keep; i++) { acc += c[i].p; if (r < acc) return c[i].id; }
+    return c[keep - 1].id;
+}
+
+void cm384_sampling_init(cm384_sampling *s) {
+    memset(s, 0, sizeof *s);
+    s->struct_size = sizeof *s;
+    s->top_p = 1.0f;
+    s->max_tokens = 128;
+}
+
+/* ======================================================================== */
+/* 12. Requests and the scheduler                                           */
+/* ======================================================================== */
+/* Any thread may submit, cancel and wait; the engine's scheduler thread does
+ * everything else.  Each loop it:
+ *   1. finishes cancelled requests;
+ *   2. admits waiting requests in order while the pool has blocks for their
+ *      prompts (after looking up the context cache) and the decode batch has
+ *      room;
+ *   3. runs a prefill step: up to prefill_chunk prompt tokens, chunked across
+ *      requests, on the prefill devices; a request whose prompt is done gets
+ *      its first token and moves (its KV blocks change owner) to the decode
+ *      attention device with the fewest requests;
+ *   4. runs a decode step: one token for every decoding request, on their
+ *      attention devices, the MoE over the expert devices.
+ * A request needing a new block when none is free preempts the most recently
+ * admitted request, whose blocks go back (full ones to the context cache) and
+ * which is recomputed later -- so no request is lost and every one ends with
+ * exactly one final event. */
+
+enum { RQ_WAITING, RQ_PREFILL, RQ_DECODE };
+
+struct request {
+    uint64_t           id;
+    request           *next;          /* inbox / waiting list                       */
+    int32_t           *tokens;        /* prompt, then generated tokens               */
+    int                n_prompt, n_tokens, cap_tokens;
+    int                n_computed;    /* positions whose KV rows are in its blocks   */
+    int                n_cached;      /* prompt tokens the context cache served      */
+    int                admitted;      /* admitted at least once                      */
+    int               *blocks;        /* block table                                 */
+    int                n_blocks, cap_blocks;
+    int                n_hashed;      /* leading blocks already offered to the cache */
+    uint64_t           chain;         /* cache key of the last of those              */
+    int                stage, device;
+    cm384_sampling     samp;
+    uint64_t           rng;
+    uint32_t           tenant;
+    cm384_event_fn     fn;
+    void              *user;
+    int                n_generated;
+    double             t_submit, t_first, t_last;
+    _Atomic int        cancel;
+    cm384_detok_stream ds;
+    char              *text;          /* event text                                  */
+    size_t             text_cap;
+    int                sampled;       /* token sampled in this step                  */
+    int                logit_row;
 };
+
+typedef struct done_rec { uint64_t id; int status; } done_rec;
+
+#define LAT_RING 4096
+
+typedef struct sched {
+    /* shared with submitting threads: under e->mu */
+    request  *inbox_head, *inbox_tail;
+    request **live;  int n_live, cap_live;         /* submitted, not finished         */
+    done_rec *done;  int n_done, cap_done;         /* finished, not yet waited for    */
+    uint64_t  next_id;
+    double    ttft[LAT_RING], tpot[LAT_RING];
+    uint64_t  n_ttft, n_tpot;
+    cm384_stats st;                                /* counters                         */
+    /* scheduler thread only */
+    request  *wait_head, *wait_tail;
+    request **run;   int n_run, max_run;           /* admitted, in admission order     */
+    int       decode_cap;                          /* SLO-limited decode batch         */
+    float    *logits;                              /* [rows_cap][vocab]                */
+    int       rows_cap;
+    cand     *cands;                               /* [workers][vocab]                 */
+    mb_arrays mba[2];
+    int      *dev_of;                              /* [step_cap]                       */
+    request **step_req;                            /* [step_cap] request of each row   */
+    pthread_mutex_t step_mu;                       /* a step or an eval at a time      */
+    uint64_t *load_mark;                           /* expert load at last rebalance    */
+    int       steps_since_rebalance;
+} sched;
+
+static void request_free(request *r) {
+    if (!r) return;
+    CM384_FREE(r->tokens);
+    CM384_FREE(r->blocks);
+    CM384_FREE(r->text);
+    CM384_FREE(r);
+}
+
+/* ---- events ---- */
+
+static double pct(const double *ring, uint64_t n, double q) {
+    int m = n < LAT_RING ? (int)n : LAT_RING;
+    if (m == 0) return 0;
+    double tmp[LAT_RING];
+    memcpy(tmp, ring, (size_t)m * sizeof(double));
+    for (int i = 1; i < m; i++) {                  /* insertion sort: stats are rare */
+        double v = tmp[i]; int j = i;
+        while (j > 0 && tmp[j - 1] > v) { tmp[j] = tmp[j - 1]; j--; }
+        tmp[j] = v;
+    }
+    int k = (int)ceil(q * m) - 1;
+    return tmp[k < 0 ? 0 : k >= m ? m - 1 : k];
+}
+
+static void fill_event(const request *r, cm384_event *ev, int kind) {
+    memset(ev, 0, sizeof *ev);
+    ev->struct_size = sizeof *ev;
+    ev->id = r->id;
+    ev->kind = kind;
+    ev->n_prompt = r->n_prompt;
+    ev->n_cached = r->n_cached;
+    ev->n_generated = r->n_generated;
+    ev->ttft_ms = r->t_first > 0 ? r->t_first - r->t_submit : 0;
+    ev->tpot_ms = r->n_generated > 1 ? (r->t_last - r->t_first) / (r->n_generated - 1) : 0;
+}
+
+static void emit_token(struct cm384_engine *e, request *r, int32_t tok) {
+    cm384_event ev;
+    fill_event(r, &ev, CM384_EV_TOKEN);
+    ev.token = tok;
+    int n = 0;
+    if (e->m->tok) {
+        n = detok_stream_push(e->m->tok, &r->ds, tok, r->text, r->text_cap);
+        if (n < 0) n = 0;
+    }
+    ev.text = r->text;
+    ev.text_len = (size_t)n;
+    if (r->fn && r->fn(r->user, &ev)) atomic_store(&r->cancel, 1);
+}
+
+/* Gives a request's blocks back: full computed blocks are offered to the
+ * context cache first, so a preempted or finished request's prefix stays
+ * reusable. */
+static void offer_blocks(struct cm384_engine *e, request *r) {
+    int B = e->kv.block_tokens, full = r->n_computed / B;
+    for (int b = r->n_hashed; b < full && b < r->n_blocks; b++) {
+        uint64_t key = block_key(r->chain, r->tenant, r->tokens + (size_t)b * B, B);
+        cache_insert(e, r->blocks[b], key, r->chain, r->tenant, r->tokens + (size_t)b * B);
+        r->chain = key;
+        r->n_hashed = b + 1;
+    }
+}
+
+static void release_blocks(struct cm384_engine *e, request *r) {
+    offer_blocks(e, r);
+    for (int b = 0; b < r->n_blocks; b++) block_unref(e, r->blocks[b]);
+    r->n_blocks = 0;
+    r->n_computed = 0;
+    r->n_hashed = 0;
+    r->chain = 0;
+    if (r->stage == RQ_DECODE && r->device >= 0) e->dev[r->device].n_owned--;
+    r->device = -1;
+}
+
+static void run_remove(sched *S, request *r) {
+    for (int i = 0; i < S->n_run; i++)
+        if (S->run[i] == r) {
+            memmove(&S->run[i], &S->run[i + 1], (size_t)(S->n_run - i - 1) * sizeof *S->run);
+            S->n_run--;
+            return;
+        }
+}
+
+/* Ends a request: its final event, then its record for cm384_wait. */
+static void finish(struct cm384_engine *e, request *r, int kind, int status) {
+    sched *S = e->sched;
+    release_blocks(e, r);
+    if (r->fn) {
+        cm384_event ev;
+        fill_event(r, &ev, kind);
+        ev.status = status;
+        char tail[16];
+        int n = detok_stream_flush(&r->ds, tail, sizeof tail);
+        ev.text = tail;
+        ev.text_len = n > 0 ? (size_t)n : 0;
+        r->fn(r->user, &ev);
+    }
+    pthread_mutex_lock(&e->mu);
+    for (int i = 0; i < S->n_live; i++) if (S->live[i] == r) { S->live[i] = S->live[--S->n_live]; break; }
+    if (S->n_done == S->cap_done) {
+        if (S->cap_done >= 1 << 16) {           /* nobody waits for these: drop the oldest half */
+            memmove(S->done, S->done + S->n_done / 2, (size_t)(S->n_done - S->n_done / 2) * sizeof *S->done);
+            S->n_done -= S->n_done / 2;
+        } else {
+            int cap = S->cap_done ? 2 * S->cap_done : 256;
+            done_rec *d = realloc(S->done, (size_t)cap * sizeof *d);
+            if (d) { S->done = d; S->cap_done = cap; }
+        }
+    }
+    if (S->n_done < S->cap_done) S->done[S->n_done++] = (done_rec){r->id, status};
+    if (kind == CM384_EV_DONE) S->st.requests_done++;
+    else if (kind == CM384_EV_CANCELLED) S->st.requests_cancelled++;
+    else S->st.requests_failed++;
+    if (r->t_first > 0) S->ttft[S->n_ttft++ % LAT_RING] = r->t_first - r->t_submit;
+    if (r->n_generated > 1) S->tpot[S->n_tpot++ % LAT_RING] = (r->t_last - r->t_first) / (r->n_generated - 1);
+    pthread_cond_broadcast(&e->cv_done);
+    pthread_mutex_unlock(&e->mu);
+    request_free(r);
+}
+
+/* ---- admission, preemption ---- */
+
+static int admit(struct cm384_engine *e, request *r) {
+    sched *S = e->sched;
+    int B = e->kv.block_tokens, limit = (r->n_tokens - 1) / B, matched = 0;
+    uint64_t parent = 0;
+    r->n_blocks = 0;
+    if (e->cache_blocks_max > 0) {
+        for (int b = 0; b < limit; b++) {
+            const int32_t *tok = r->tokens + (size_t)b * B;
+            uint64_t key = block_key(parent, r->tenant, tok, B);
+            int blk = cache_find(e, key, parent, r->tenant, tok);
+            if (blk < 0) break;
+            if (e->bm[blk].ref == 1) lru_unlink(e, blk);
+            e->bm[blk].ref++;
+            r->blocks[r->n_blocks++] = blk;
+            parent = key;
+            matched++;
+        }
+    }
+    int need = (r->n_tokens + B - 1) / B - matched;
+    if (need > blocks_available(e)) {
+        for (int b = 0; b < r->n_blocks; b++) block_unref(e, r->blocks[b]);
+        r->n_blocks = 0;
+        return 0;
+    }
+    for (int i = 0; i < need; i++) r->blocks[r->n_blocks++] = block_get(e);
+    r->n_computed = matched * B;
+    r->n_hashed = matched;
+    r->chain = parent;
+    if (!r->admitted) {
+        r->n_cached = matched * B;
+        S->st.tokens_cached += (uint64_t)matched * B;
+        r->admitted = 1;
+    }
+    /* the prefill device with the least prompt work queued */
+    int best = e->pre_devs[0], best_load = INT_MAX;
+    for (int i = 0; i < e->n_pre; i++) {
+        int d = e->pre_devs[i], load = 0;
+        for (int j = 0; j < S->n_run; j++)
+            if (S->run[j]->stage == RQ_PREFILL && S->run[j]->device == d) load += S->run[j]->n_tokens - S->run[j]->n_computed;
+        if (load < best_load) { best_load = load; best = d; }
+    }
+    r->device = best;
+    r->stage = RQ_PREFILL;
+    return 1;
+}
+
+/* A request whose prompt is computed moves to a decode attention device:
+ * ownership of its KV blocks moves with it (the bytes count as traffic). */
+static void hand_off(struct cm384_engine *e, request *r) {
+    int best = e->attn_devs[0];
+    for (int i = 1; i < e->n_attn; i++)
+        if (e->dev[e->attn_devs[i]].n_owned < e->dev[best].n_owned) best = e->attn_devs[i];
+    uint64_t bytes = (uint64_t)r->n_blocks * e->kv.block_floats * sizeof(float);
+    fabric_count(e, r->device, best, bytes, (uint64_t)r->n_blocks);
+    e->kv_handoff_bytes += bytes;
+    for (int b = 0; b < r->n_blocks; b++) e->bm[r->blocks[b]].owner = best;
+    r->device = best;
+    r->stage = RQ_DECODE;
+    e->dev[best].n_owned++;
+}
+
+static void preempt(struct cm384_engine *e, request *r) {
+    sched *S = e->sched;
+    release_blocks(e, r);
+    r->stage = RQ_WAITING;
+    run_remove(S, r);
+    r->next = S->wait_head;
+    S->wait_head = r;
+    if (!S->wait_tail) S->wait_tail = r;
+    S->st.requests_preempted++;
+}
+
+/* Stops a request after its latest token if it is done. */
+static int check_stop(struct cm384_engine *e, request *r) {
+    int eos = e->m->hp.eos;
+    if (r->n_generated >= r->samp.max_tokens || r->n_tokens >= e->max_ctx ||
+        (!r->samp.ignore_eos && eos >= 0 && r->tokens[r->n_tokens - 1] == eos)) {
+        run_remove(e->sched, r);
+        finish(e, r, CM384_EV_DONE, CM384_OK);
+        return 1;
+    }
+    return 0;
+}
+
+/* Appends a sampled token and tells the caller. */
+static void accept_token(struct cm384_engine *e, request *r, int32_t tok) {
+    double t = now_ms();
+    if (r->n_generated == 0) r->t_first = t;
+    r->t_last = t;
+    r->tokens[r->n_tokens++] = tok;
+    r->n_generated++;
+    e->sched->st.tokens_decoded++;
+    emit_token(e, r, tok);
+}
+
+/* ---- sampling as tasks ---- */
+
+typedef struct sample_ctx { struct cm384_engine *e; request **req; int n; } sample_ctx;
+
+static void t_sample(void *ctx, int arg, int i, int worker) {
+    (void)arg;
+    sample_ctx *sc = ctx;
+    struct cm384_engine *e = sc->e;
+    request *r = sc->req[i];
+    int V = e->m->hp.vocab;
+    r->sampled = sample_token(e->sched->logits + (size_t)r->logit_row * V, V, &r->samp, &r->rng,
+                              e->sched->cands + (size_t)worker * V);
+}
+
+static void sample_rows(struct cm384_engine *e, request **req, int n) {
+    sample_ctx sc = {e, req, n};
+    e->rg.name = "sample"; e->rg.layer = -1; e->rg.mb = 0;
+    for (int i = 0; i < n; i++) region_add(&e->rg, t_sample, &sc, 0, 1, req[i]->device >= 0 ? req[i]->device : 0);
+    region_run(&e->rg);
+}
+
+/* ---- the two phases ---- */
+
+/* Lays out the rows of requests rq[0..nr) (each contributing cnt[i] tokens
+ * from position n_computed) into microbatch arrays, ordered by device. */
+static int build_rows(struct cm384_engine *e, request **rq, const int *cnt, int nr, mb_arrays *a, microbatch *mb,
+                      int phase, int index, int *dev_of, int *n_want) {
+    int n = 0, w = 0;
+    /* stable order by device */
+    for (int pass_dev = 0; pass_dev < e->n_dev; pass_dev++) {
+        int any = 0;
+        for (int i = 0; i < nr; i++) {
+            request *r = rq[i];
+            if (r->device != pass_dev) continue;
+            any = 1;
+            for (int j = 0; j < cnt[i]; j++) {
+                int p = r->n_computed + j;
+                a->tok[n] = r->tokens[p];
+                a->pos[n] = p;
+                a->tables[n] = r->blocks;
+                a->want[n] = p == r->n_tokens - 1;
+                if (a->want[n]) r->logit_row = w++;
+                dev_of[n] = pass_dev;
+                e->sched->step_req[n] = r;
+                n++;
+            }
+        }
+        (void)any;
+    }
+    memset(mb, 0, sizeof *mb);
+    mb->n = n; mb->tok = a->tok; mb->pos = a->pos; mb->tables = a->tables; mb->want = a->want;
+    mb->phase = phase; mb->index = index; mb->s = &e->s[index];
+    mb_make_groups(mb, a->groups, dev_of);
+    *n_want = w;
+    return n;
+}
+
+/* Runs rows of requests (split into two microbatches when configured) and
+ * leaves the wanted logits in S->logits, rows numbered across microbatches. */
+static void run_phase(struct cm384_engine *e, request **rq, const int *cnt, int nr, int phase) {
+    sched *S = e->sched;
+    microbatch mb[2];
+    int n_mb = 1, total = 0;
+    for (int i = 0; i < nr; i++) total += cnt[i];
+    int split = nr;
+    if (e->cfg.microbatches == 2 && nr >= 2) {
+        int acc = 0;
+        for (split = 0; split < nr - 1 && acc + cnt[split] <= total / 2; split++) acc += cnt[split];
+        if (split == 0) split = 1;
+        n_mb = 2;
+    }
+    int w0 = 0, w1 = 0;
+    build_rows(e, rq, cnt, split, &S->mba[0], &mb[0], phase, 0, S->dev_of, &w0);
+    mb[0].logits = S->logits;
+    if (n_mb == 2) {
+        build_rows(e, rq + split, cnt + split, nr - split, &S->mba[1], &mb[1], phase, 1, S->dev_of + mb[0].n, &w1);
+        for (int i = split; i < nr; i++) rq[i]->logit_row += w0;
+        mb[1].logits = S->logits + (size_t)w0 * e->m->hp.vocab;
+    }
+    forward_main(e, mb, n_mb);
+}
+
+static void prefill_step(struct cm384_engine *e) {
+    sched *S = e->sched;
+    request *rq[1024];
+    int cnt[1024], nr = 0, budget = e->cfg.prefill_chunk, rows = 0;
+    for (int i = 0; i < S->n_run && budget > 0 && nr < 1024; i++) {
+        request *r = S->run[i];
+        int left = r->n_tokens - r->n_computed;
+        if (r->stage != RQ_PREFILL || left <= 1) continue;
+        int take = left < budget ? left : budget;
+        if (take == left && rows >= S->rows_cap) continue;       /* no logits row left */
+        rq[nr] = r; cnt[nr] = take; nr++;
+        budget -= take;
+        rows += take == left;
+    }
+    if (!nr) return;
+    double t0 = now_ms();
+    run_phase(e, rq, cnt, nr, PHASE_PREFILL);
+    request *done_rq[1024];
+    int nd = 0;
+    for (int i = 0; i < nr; i++) {
+        rq[i]->n_computed += cnt[i];
+        S->st.tokens_prefilled += (uint64_t)cnt[i];
+        if (rq[i]->n_computed == rq[i]->n_tokens) done_rq[nd++] = rq[i];
+        offer_blocks(e, rq[i]);
+    }
+    sample_rows(e, done_rq, nd);
+    S->st.prefill_seconds += (now_ms() - t0) / 1e3;
+    for (int i = 0; i < nd; i++) {
+        request *r = done_rq[i];
+        hand_off(e, r);
+        accept_token(e, r, r->sampled);
+        check_stop(e, r);
+    }
+}
+
+static void decode_step(struct cm384_engine *e) {
+    sched *S = e->sched;
+    int B = e->kv.block_tokens;
+    request *rq[4096];
+    int cnt[4096], nr = 0;
+    for (int i = 0; i < S->n_run && nr < S->decode_cap && nr < S->rows_cap; i++) {
+        request *r = S->run[i];
+        if (r->n_tokens - r->n_computed != 1) continue;
+        if (r->stage == RQ_PREFILL) hand_off(e, r);            /* everything but the last token was cached */
+        /* the block for this position */
+        if ((r->n_tokens - 1) / B >= r->n_blocks) {
+            int b = block_get(e);
+            while (b < 0) {
+                request *victim = S->run[S->n_run - 1];
+                preempt(e, victim);
+                if (victim == r) break;
+                b = block_get(e);
+            }
+            if (b < 0) { i--; continue; }       /* r itself was preempted: the list shifted */
+            r->blocks[r->n_blocks++] = b;
+        }
+        rq[nr] = r; cnt[nr] = 1; nr++;
+    }
+    /* a preemption may have removed a request already listed */
+    int k = 0;
+    for (int i = 0; i < nr; i++) if (rq[i]->stage == RQ_DECODE) rq[k++] = rq[i];
+    nr = k;
+    if (!nr) return;
+    double t0 = now_ms();
+    run_phase(e, rq, cnt, nr, PHASE_DECODE);
+    for (int i = 0; i < nr; i++) rq[i]->n_computed = rq[i]->n_tokens;
+    sample_rows(e, rq, nr);
+    double dt = now_ms() - t0;
+    S->st.decode_seconds += dt / 1e3;
+    if (e->cfg.tpot_target_ms > 0) {                /* SLO: shrink or grow the batch */
+        if (dt > e->cfg.tpot_target_ms && S->decode_cap > 1) S->decode_cap = nr > 1 ? nr - 1 : 1;
+        else if (dt < 0.8 * e->cfg.tpot_target_ms && S->decode_cap < S->max_run) S->decode_cap++;
+    }
+    for (int i = 0; i < nr; i++) {
+        accept_token(e, rq[i], rq[i]->sampled);
+        check_stop(e, rq[i]);
+    }
+    if (e->place[PHASE_DECODE].max_rep > 1 && ++S->steps_since_rebalance >= 32) {
+        /* EPLB: re-place redundant experts from the load measured since last time */
+        const hparams *hp = &e->m->hp;
+        size_t n = (size_t)(hp->n_layers + hp->n_mtp) * hp->n_routed;
+        for (size_t i = 0; i < n; i++) { uint64_t v = e->expert_load[i]; S->load_mark[i] = v - S->load_mark[i]; }
+        eplb_rebalance(e, S->load_mark);
+        memcpy(S->load_mark, e->expert_load, n * sizeof(uint64_t));
+        S->steps_since_rebalance = 0;
+    }
+}
+
+static void sched_step(struct cm384_engine *e) {
+    sched *S = e->sched;
+    /* 1. cancellations */
+    for (int i = 0; i < S->n_run; i++) {
+        request *r = S->run[i];
+        if (atomic_load(&r->cancel)) { run_remove(S, r); finish(e, r, CM384_EV_CANCELLED, CM384_E_CANCELLED); i--; }
+    }
+    for (request **pp = &S->wait_head; *pp;) {
+        request *r = *pp;
+        if (atomic_load(&r->cancel)) {
+            *pp = r->next;
+            if (S->wait_tail == r) { S->wait_tail = NULL; for (request *q = S->wait_head; q; q = q->next) S->wait_tail = q; }
+            finish(e, r, CM384_EV_CANCELLED, CM384_E_CANCELLED);
+        } else {
+            pp = &r->next;
+        }
+    }
+    /* 2. admission */
+    while (S->wait_head && S->n_run < S->max_run) {
+        request *r = S->wait_head;
+        if (!admit(e, r)) break;
+        S->wait_head = r->next;
+        if (!S->wait_head) S->wait_tail = NULL;
+        S->run[S->n_run++] = r;
+    }
+    /* 3. prefill, 4. decode */
+    prefill_step(e);
+    decode_step(e);
+}
+
+static void *sched_main(void *arg) {
+    struct cm384_engine *e = arg;
+    sched *S = e->sched;
+    pthread_mutex_lock(&e->mu);
+    for (;;) {
+        while (S->inbox_head) {                 /* take what was submitted */
+            request *r = S->inbox_head;
+            S->inbox_head = r->next;
+            r->next = NULL;
+            if (S->wait_tail) S->wait_tail->next = r; else S->wait_head = r;
+            S->wait_tail = r;
+        }
+        if (!S->inbox_head) S->inbox_tail = NULL;
+        if (e->stopping) {
+            for (int i = 0; i < S->n_live; i++) atomic_store(&S->live[i]->cancel, 1);
+        }
+        if (!S->wait_head && !S->n_run) {
+            if (e->stopping) break;
+            pthread_cond_wait(&e->cv_work, &e->mu);
+            continue;
+        }
+        pthread_mutex_unlock(&e->mu);
+        pthread_mutex_lock(&S->step_mu);
+        sched_step(e);
+        pthread_mutex_unlock(&S->step_mu);
+        pthread_mutex_lock(&e->mu);
+    }
+    pthread_mutex_unlock(&e->mu);
+    return NULL;
+}
+
+/* ======================================================================== */
+/* 13. Observability: stats, report, trace                                  */
+/* ======================================================================== */
+
+int cm384_get_stats(cm384_engine *e, cm384_stats *out) {
+    if (!e || !out) return fail(CM384_E_INVALID, "cm384_get_stats: NULL argument");
+    size_t sz = out->struct_size && out->struct_size < sizeof *out ? out->struct_size : sizeof *out;
+    sched *S = e->sched;
+    cm384_stats st;
+    pthread_mutex_lock(&e->mu);
+    st = S->st;
+    st.ttft_p50_ms = pct(S->ttft, S->n_ttft, 0.50);
+    st.ttft_p99_ms = pct(S->ttft, S->n_ttft, 0.99);
+    st.tpot_p50_ms = pct(S->tpot, S->n_tpot, 0.50);
+    st.tpot_p99_ms = pct(S->tpot, S->n_tpot, 0.99);
+    pthread_mutex_unlock(&e->mu);
+    st.struct_size = sizeof st;
+    uint64_t prompt = st.tokens_prefilled + st.tokens_cached;
+    st.cache_hit_ratio = prompt ? (double)st.tokens_cached / (double)prompt : 0;
+    st.prefill_tok_per_s = st.prefill_seconds > 0 ? st.tokens_prefilled / st.prefill_seconds : 0;
+    st.decode_tok_per_s = st.decode_seconds > 0 ? st.tokens_decoded / st.decode_seconds : 0;
+    st.dispatch_bytes = atomic_load(&e->dispatch_bytes);
+    st.dispatch_bytes_bf16 = atomic_load(&e->dispatch_bytes_bf16);
+    st.combine_bytes = atomic_load(&e->combine_bytes);
+    st.combine_bytes_bf16 = atomic_load(&e->combine_bytes_bf16);
+    st.messages = atomic_load(&e->n_messages);
+    st.kv_handoff_bytes = e->kv_handoff_bytes;
+    st.pool_bytes = e->pool_bytes;
+    st.kv_blocks_total = (uint64_t)e->kv.n_blocks;
+    pthread_mutex_lock(&S->step_mu);          /* block state belongs to the scheduler */
+    st.kv_blocks_used = (uint64_t)(e->kv.n_blocks - e->n_free);
+    st.kv_blocks_cached = (uint64_t)e->n_cached;
+    uint64_t mx = 0, sum = 0;
+    int n_exp = 0;
+    for (int d = 0; d < e->n_dev; d++) {
+        if (!(e->dev[d].roles & (ROLE_EXPERT | ROLE_SHARED))) continue;
+        n_exp++;
+        sum += e->dev_rows[d];
+        if (e->dev_rows[d] > mx) mx = e->dev_rows[d];
+    }
+    pthread_mutex_unlock(&S->step_mu);
+    st.expert_load_max_over_mean = sum ? (double)mx * n_exp / (double)sum : 0;
+    st.n_devices = e->n_dev;
+    st.n_workers = e->n_workers;
+    st.n_prefill_devices = e->n_pre;
+    st.n_attn_devices = e->n_attn;
+    st.n_expert_devices = n_exp;
+    memcpy(out, &st, sz);
+    out->struct_size = sz;
+    return CM384_OK;
+}
+
+void cm384_reset_stats(cm384_engine *e) {
+    if (!e) return;
+    sched *S = e->sched;
+    pthread_mutex_lock(&S->step_mu);
+    pthread_mutex_lock(&e->mu);
+    memset(&S->st, 0, sizeof S->st);
+    S->n_ttft = S->n_tpot = 0;
+    pthread_mutex_unlock(&e->mu);
+    atomic_store(&e->dispatch_bytes, 0); atomic_store(&e->dispatch_bytes_bf16, 0);
+    atomic_store(&e->combine_bytes, 0); atomic_store(&e->combine_bytes_bf16, 0);
+    atomic_store(&e->n_messages, 0);
+    e->kv_handoff_bytes = 0;
+    for (size_t i = 0; i < (size_t)e->n_dev * e->n_dev; i++) { atomic_store(&e->traffic[i], 0); atomic_store(&e->msgs[i], 0); }
+    memset(e->busy, 0, (size_t)e->n_workers * e->n_dev * sizeof(uint64_t));
+    memset(e->dev_rows, 0, (size_t)e->n_dev * sizeof(uint64_t));
+    pthread_mutex_unlock(&S->step_mu);
+}
+
+static const char *role_name(unsigned roles) {
+    static const char *names[16] = {"idle", "prefill", "attention", "prefill+attention", "expert",
+        "prefill+expert", "attention+expert", "all", "shared", "prefill+shared", "attention+shared",
+        "prefill+attention+shared", "expert+shared", "prefill+expert+shared", "attention+expert+shared", "all"};
+    return names[roles & 15];
+}
+
+static void sb_printf(strbuf *b, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+static void sb_printf(strbuf *b, const char *fmt, ...) {
+    char tmp[512];
+    va_list ap;
+    va_start(ap, fmt);
+    int n = vsnprintf(tmp, sizeof tmp, fmt, ap);
+    va_end(ap);
+    if (n > 0) sb_putn(b, tmp, (size_t)n < sizeof tmp ? (size_t)n : sizeof tmp - 1);
+}
+
+static double mb_of(uint64_t b) { return (double)b / 1e6; }
+
+int cm384_report(cm384_engine *e, char *buf, size_t cap) {
+    if (!e) return fail(CM384_E_INVALID, "cm384_report: NULL engine");
+    cm384_stats st;
+    st.struct_size = sizeof st;
+    cm384_get_stats(e, &st);
+    strbuf b = {0};
+    sb_printf(&b, "supernode: %d devices (%d prefill, %d decode-attention, %d expert), %d workers, preset %s\n",
+              st.n_devices, st.n_prefill_devices, st.n_attn_devices, st.n_expert_devices, st.n_workers, e->preset);
+    sb_printf(&b, "requests: %llu done, %llu cancelled, %llu failed, %llu preempted\n",
+              (unsigned long long)st.requests_done, (unsigned long long)st.requests_cancelled,
+              (unsigned long long)st.requests_failed, (unsigned long long)st.requests_preempted);
+    sb_printf(&b, "tokens: %llu prefilled, %llu from context cache (hit ratio %.1f%%), %llu decoded\n",
+              (unsigned long long)st.tokens_prefilled, (unsigned long long)st.tokens_cached,
+              100 * st.cache_hit_ratio, (unsigned long long)st.tokens_decoded);
+    sb_printf(&b, "throughput: prefill %.1f tok/s, decode %.1f tok/s (busy time)\n",
+              st.prefill_tok_per_s, st.decode_tok_per_s);
+    sb_printf(&b, "latency: TTFT p50 %.1f ms p99 %.1f ms, TPOT p50 %.2f ms p99 %.2f ms\n",
+              st.ttft_p50_ms, st.ttft_p99_ms, st.tpot_p50_ms, st.tpot_p99_ms);
+    sb_printf(&b, "fabric: dispatch %.2f MB (bf16 would be %.2f MB, %s), combine %.2f MB (bf16 %.2f MB), "
+              "KV hand-off %.2f MB, %llu messages\n",
+              mb_of(st.dispatch_bytes), mb_of(st.dispatch_bytes_bf16), e->cfg.int8_dispatch ? "INT8" : "fp32",
+              mb_of(st.combine_bytes), mb_of(st.combine_bytes_bf16), mb_of(st.kv_handoff_bytes),
+              (unsigned long long)st.messages);
+    sb_printf(&b, "pool: %.1f MB, KV blocks %llu used / %llu (%llu cached)\n", mb_of(st.pool_bytes),
+              (unsigned long long)st.kv_blocks_used, (unsigned long long)st.kv_blocks_total,
+              (unsigned long long)st.kv_blocks_cached);
+    /* traffic by role pair */
+    {
+        uint64_t by[16][16] = {{0}};
+        for (int s = 0; s < e->n_dev; s++)
+            for (int d = 0; d < e->n_dev; d++)
+                by[e->dev[s].roles & 15][e->dev[d].roles & 15] += atomic_load(&e->traffic[(size_t)s * e->n_dev + d]);
+        sb_printf(&b, "traffic matrix by role (MB, rows send, columns receive):\n");
+        for (int s = 0; s < 16; s++)
+            for (int d = 0; d < 16; d++)
+                if (by[s][d]) sb_printf(&b, "  %-24s -> %-24s %10.2f\n", role_name((unsigned)s), role_name((unsigned)d), mb_of(by[s][d]));
+    }
+    /* expert devices */
+    sb_printf(&b, "expert load: max/mean over expert devices %.2f\n", st.expert_load_max_over_mean);
+    {
+        const hparams *hp = &e->m->hp;
+        int E = hp->n_routed, NL = hp->n_layers + hp->n_mtp;
+        if (E > 0) {
+            sb_printf(&b, "  tokens per expert, summed over layers (top 8):\n");
+            uint64_t *tot = CM384_CALLOC((size_t)E, sizeof(uint64_t));
+            if (tot) {
+                for (int l = 0; l < NL; l++) for (int x = 0; x < E; x++) tot[x] += e->expert_load[(size_t)l * E + x];
+                unsigned char shown[1024] = {0};
+                for (int i = 0; i < 8 && i < E; i++) {
+                    int best = -1;
+                    for (int x = 0; x < E; x++) if (!shown[x] && (best < 0 || tot[x] > tot[best])) best = x;
+                    shown[best] = 1;
+                    sb_printf(&b, "    expert %4d  %10llu\n", best, (unsigned long long)tot[best]);
+                }
+                CM384_FREE(tot);
+            }
+        }
+    }
+    /* busiest devices */
+    {
+        uint64_t *busy = CM384_CALLOC((size_t)e->n_dev, sizeof(uint64_t));
+        if (busy) {
+            for (int w = 0; w < e->n_workers; w++)
+                for (int d = 0; d < e->n_dev; d++) busy[d] += e->busy[(size_t)w * e->n_dev + d];
+            sb_printf(&b, "busiest devices (busy ms):\n");
+            unsigned char *shown = CM384_CALLOC((size_t)e->n_dev, 1);
+            for (int i = 0; shown && i < 6 && i < e->n_dev; i++) {
+                int best = -1;
+                for (int d = 0; d < e->n_dev; d++) if (!shown[d] && (best < 0 || busy[d] > busy[best])) best = d;
+                shown[best] = 1;
+                if (!busy[best]) break;
+                sb_printf(&b, "  device %3d %-18s %10.1f\n", best, role_name(e->dev[best].roles), busy[best] / 1e6);
+            }
+            CM384_FREE(shown);
+            CM384_FREE(busy);
+        }
+    }
+    if (b.oom) { free(b.p); return fail(CM384_E_NOMEM, "out of memory"); }
+    int n = copy_out(b.p ? b.p : "", b.n, buf, cap);
+    free(b.p);
+    return n;
+}
+
+/* Chrome trace: one track (tid) per device, one complete event per device
+ * per region group; opens in Perfetto / chrome://tracing. */
+static void trace_write(struct cm384_engine *e) {
+    FILE *f = e->trace;
+    if (!f) return;
+    fprintf(f, "{\"displayTimeUnit\":\"ms\",\"traceEvents\":[\n");
+    fprintf(f, "{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":0,\"args\":{\"name\":\"cm384 supernode (%s)\"}}", e->preset);
+    for (int d = 0; d < e->n_dev; d++) {
+        int used = 0;
+        for (int i = 0; i < e->n_tev && !used; i++) used = e->tev[i].device == d;
+        if (used)
+            fprintf(f, ",\n{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":0,\"tid\":%d,\"args\":{\"name\":\"device %d (%s)\"}}",
+                    d, d, role_name(e->dev[d].roles));
+    }
+    for (int i = 0; i < e->n_tev; i++) {
+        const trace_event *ev = &e->tev[i];
+        if (ev->t1 < ev->t0 || ev->t0 == UINT64_MAX) continue;
+        fprintf(f, ",\n{\"name\":\"%s\",\"cat\":\"mb%d\",\"ph\":\"X\",\"pid\":0,\"tid\":%d,\"ts\":%.3f,\"dur\":%.3f,"
+                   "\"args\":{\"layer\":%d,\"microbatch\":%d}}",
+                ev->name ? ev->name : "?", ev->mb, ev->device, (ev->t0 - e->t_origin) / 1e3,
+                (ev->t1 - ev->t0) / 1e3, ev->layer, ev->mb);
+    }
+    fprintf(f, "\n]}\n");
+    fclose(f);
+    e->trace = NULL;
+}
+
+/* ======================================================================== */
+/* 14. The public API                                                       */
+/* ======================================================================== */
 
 void cm384_config_init(cm384_config *c) {
     memset(c, 0, sizeof *c);
@@ -1920,25 +3665,80 @@ void cm384_config_init(cm384_config *c) {
     c->microbatches = 2;
 }
 
-static int block_alloc(cm384_engine *e, int n, int *out) {
-    if (n > e->n_free) return fail(CM384_E_CAPACITY, "KV pool exhausted: need %d blocks, %d free", n, e->n_free);
-    for (int i = 0; i < n; i++) out[i] = e->free_blocks[--e->n_free];
-    return CM384_OK;
-}
-
-static void block_release(cm384_engine *e, const int *blocks, int n) {
-    for (int i = 0; i < n; i++) e->free_blocks[e->n_free++] = blocks[i];
+void cm384_request_init(cm384_request *r) {
+    memset(r, 0, sizeof *r);
+    r->struct_size = sizeof *r;
 }
 
 void cm384_engine_free(cm384_engine *e) {
     if (!e) return;
-    gl_pool_free(e->ex.pool);
-    scratch_free(&e->s);
-    free(e->kv.data);
-    free(e->free_blocks);
-    free(e->pos);
-    free(e->tables);
-    free(e);
+    if (e->thread_started) {
+        pthread_mutex_lock(&e->mu);
+        e->stopping = 1;
+        pthread_cond_broadcast(&e->cv_work);
+        pthread_mutex_unlock(&e->mu);
+        pthread_join(e->thread, NULL);
+    }
+    trace_write(e);
+    gl_pool_free(e->pool_threads);
+    sched *S = e->sched;
+    if (S) {
+        for (int i = 0; i < S->n_live; i++) request_free(S->live[i]);
+        CM384_FREE(S->live);
+        CM384_FREE(S->done);
+        CM384_FREE(S->run);
+        CM384_FREE(S->load_mark);
+        pthread_mutex_destroy(&S->step_mu);
+        CM384_FREE(S);
+    }
+    pl_free(&e->place[0]);
+    pl_free(&e->place[1]);
+    CM384_FREE(e->dev); CM384_FREE(e->pre_devs); CM384_FREE(e->attn_devs);
+    CM384_FREE(e->pool);
+    CM384_FREE(e->traffic); CM384_FREE(e->msgs); CM384_FREE(e->busy);
+    CM384_FREE(e->expert_load); CM384_FREE(e->dev_rows); CM384_FREE(e->tev);
+    CM384_FREE(e->rg.g);
+    pthread_mutex_destroy(&e->mu);
+    pthread_cond_destroy(&e->cv_work);
+    pthread_cond_destroy(&e->cv_done);
+    CM384_FREE(e);
+}
+
+/* Lays out the whole pool (twice: once to size it, once to carve it). */
+static void carve_pool(struct cm384_engine *e, carver *c) {
+    const hparams *hp = &e->m->hp;
+    sched *S = e->sched;
+    int B = e->kv.block_tokens, NB = e->kv.n_blocks, V = hp->vocab;
+    int max_groups = e->n_dev < e->step_cap ? e->n_dev : e->step_cap;
+    int n_entries = e->place[0].n_entries > e->place[1].n_entries ? e->place[0].n_entries : e->place[1].n_entries;
+    int n_jobs = 3 * max_groups + 2 * n_entries + 8;
+    e->kv.data = carve(c, (size_t)NB * e->kv.block_floats * sizeof(float));
+    e->bm = carve(c, (size_t)NB * sizeof(block_meta));
+    int32_t *toks = carve(c, (size_t)NB * B * sizeof(int32_t));
+    e->free_blocks = carve(c, (size_t)NB * sizeof(int));
+    e->index = carve(c, (size_t)e->index_cap * sizeof(int));
+    for (int i = 0; i < 2; i++)
+        scratch_carve(c, &e->s[i], hp, e->step_cap, e->max_ctx + 1, e->n_workers, n_entries, n_jobs);
+    S->logits = carve(c, (size_t)S->rows_cap * V * sizeof(float));
+    S->cands = carve(c, (size_t)e->n_workers * V * sizeof(cand));
+    for (int i = 0; i < 2; i++) {
+        S->mba[i].tok = carve(c, (size_t)e->step_cap * sizeof(int32_t));
+        S->mba[i].pos = carve(c, (size_t)e->step_cap * sizeof(int));
+        S->mba[i].tables = carve(c, (size_t)e->step_cap * sizeof(int *));
+        S->mba[i].want = carve(c, (size_t)e->step_cap);
+        S->mba[i].groups = carve(c, ((size_t)max_groups + 1) * sizeof(dev_group));
+    }
+    S->dev_of = carve(c, (size_t)e->step_cap * sizeof(int));
+    S->step_req = carve(c, (size_t)e->step_cap * sizeof(request *));
+    if (c->base) {
+        for (int b = 0; b < NB; b++) {
+            e->bm[b] = (block_meta){0, 0, 0, 0, 0, -1, -1, -1, toks + (size_t)b * B};
+            e->free_blocks[b] = NB - 1 - b;
+        }
+        e->n_free = NB;
+        for (int i = 0; i < e->index_cap; i++) e->index[i] = -1;
+    }
+    e->rg.cap = 2 * (2 * n_entries + 4 * max_groups) + S->rows_cap + 64;
 }
 
 int cm384_engine_create(const cm384_model *m, const cm384_config *cfg, cm384_engine **out) {
@@ -1949,124 +3749,424 @@ int cm384_engine_create(const cm384_model *m, const cm384_config *cfg, cm384_eng
     cm384_config c;
     cm384_config_init(&c);
     if (cfg) {
-        if (cfg->struct_size < offsetof(cm384_config, n_workers) || cfg->struct_size > 4096)
+        if (cfg->struct_size < offsetof(cm384_config, n_workers) || cfg->struct_size > 65536)
             return fail(CM384_E_INVALID, "cm384_engine_create: cfg->struct_size %zu is not valid", cfg->struct_size);
         memcpy(&c, cfg, cfg->struct_size < sizeof c ? cfg->struct_size : sizeof c);
     }
     const hparams *hp = &m->hp;
+    const char *preset = c.preset ? c.preset : "default";
+    if (strcmp(preset, "default") && strcmp(preset, "paper") && strcmp(preset, "single"))
+        return fail(CM384_E_INVALID, "unknown preset \"%s\" (default, paper, single)", preset);
     if (c.n_devices <= 0) c.n_devices = 384;
+    if (c.n_devices > 4096) return fail(CM384_E_INVALID, "n_devices %d is more than 4096", c.n_devices);
     if (c.n_workers <= 0) c.n_workers = gl_n_cpus();
+    if (c.n_workers > 1024) return fail(CM384_E_INVALID, "n_workers %d is more than 1024", c.n_workers);
     if (c.max_ctx <= 0) c.max_ctx = hp->max_pos < 4096 ? hp->max_pos : 4096;
     if (c.max_ctx > hp->max_pos) return fail(CM384_E_INVALID, "max_ctx %d exceeds the model's %d positions", c.max_ctx, hp->max_pos);
+    if (c.max_ctx < 2) return fail(CM384_E_INVALID, "max_ctx must be at least 2");
     if (c.max_batch <= 0) c.max_batch = 64;
+    if (c.max_batch > 4096) return fail(CM384_E_INVALID, "max_batch %d is more than 4096", c.max_batch);
     if (c.kv_block_tokens <= 0) c.kv_block_tokens = 16;
     if (c.prefill_chunk <= 0) c.prefill_chunk = 512;
     if (c.microbatches != 1) c.microbatches = 2;
+    if (c.int8) return fail(CM384_E_UNSUPPORTED, "INT8 W8A8 weights are not available yet");
 
-    cm384_engine *e = calloc(1, sizeof *e);
+    cm384_engine *e = CM384_CALLOC(1, sizeof *e);
     if (!e) return fail(CM384_E_NOMEM, "out of memory");
     e->m = m;
     e->cfg = c;
+    e->cfg.preset = NULL;
+    e->cfg.trace_path = NULL;
+    snprintf(e->preset, sizeof e->preset, "%s", preset);
+    pthread_mutex_init(&e->mu, NULL);
+    pthread_cond_init(&e->cv_work, NULL);
+    pthread_cond_init(&e->cv_done, NULL);
+    e->k = gl_kernels_get();
+    e->n_workers = c.n_workers;
+    e->max_ctx = c.max_ctx;
+    e->step_cap = c.prefill_chunk > 2 * c.max_batch ? c.prefill_chunk : 2 * c.max_batch;
     int r = CM384_OK;
-    e->ex.k = gl_kernels_get();
-    e->ex.pool = gl_pool_create(c.n_workers);
-    e->ex.n_workers = c.n_workers;
-    if (!e->ex.pool) r = fail(CM384_E_NOMEM, "cannot start %d worker threads", c.n_workers);
-
-    kv_pool *kv = &e->kv;
-    kv->block_tokens = c.kv_block_tokens;
-    kv->n_layers = hp->n_layers + hp->n_mtp;
-    kv->row = hp->kv_lora + hp->qk_rope;
-    kv->block_floats = (size_t)kv->n_layers * kv->block_tokens * kv->row;
-    size_t block_bytes = kv->block_floats * sizeof(float);
-    size_t want = c.kv_pool_bytes;
-    if (!want) {
-        want = (size_t)c.max_batch * ((size_t)c.max_ctx + kv->block_tokens) * kv->n_layers * kv->row * sizeof(float);
-        if (want > (size_t)1 << 30) want = (size_t)1 << 30;
-    }
-    kv->n_blocks = (int)(want / block_bytes);
-    int min_blocks = (c.max_ctx + kv->block_tokens - 1) / kv->block_tokens + 1;
-    if (!r && kv->n_blocks < min_blocks)
-        r = fail(CM384_E_INVALID, "kv_pool_bytes %zu holds %d blocks; one request of max_ctx %d needs %d",
-                 want, kv->n_blocks, c.max_ctx, min_blocks);
+    e->sched = CM384_CALLOC(1, sizeof(sched));
+    e->pool_threads = gl_pool_create(c.n_workers);
+    if (!e->sched || !e->pool_threads) r = fail(CM384_E_NOMEM, "cannot start %d worker threads", c.n_workers);
+    if (!r) r = build_topology(e);
+    sched *S = e->sched;
     if (!r) {
-        kv->data = malloc((size_t)kv->n_blocks * block_bytes);
-        e->free_blocks = malloc((size_t)kv->n_blocks * sizeof(int));
-        if (!kv->data || !e->free_blocks) r = fail(CM384_E_NOMEM, "cannot allocate a KV pool of %d blocks (%zu bytes)",
-                                                   kv->n_blocks, (size_t)kv->n_blocks * block_bytes);
+        pthread_mutex_init(&S->step_mu, NULL);
+        S->max_run = c.max_batch;
+        S->decode_cap = c.max_batch;
+        S->rows_cap = c.max_batch + 16 < e->step_cap ? c.max_batch + 16 : e->step_cap;
+        kv_pool *kv = &e->kv;
+        kv->block_tokens = c.kv_block_tokens;
+        kv->n_layers = hp->n_layers + hp->n_mtp;
+        kv->row = hp->kv_lora + hp->qk_rope;
+        kv->block_floats = (size_t)kv->n_layers * kv->block_tokens * kv->row;
+        size_t block_bytes = kv->block_floats * sizeof(float);
+        size_t want = c.kv_pool_bytes;
+        if (!want) {
+            want = (size_t)c.max_batch * ((size_t)c.max_ctx + kv->block_tokens) * kv->n_layers * kv->row * sizeof(float);
+            if (want > (size_t)1 << 30) want = (size_t)1 << 30;
+        }
+        size_t nb = want / block_bytes;
+        int min_blocks = (c.max_ctx + kv->block_tokens - 1) / kv->block_tokens + 1;
+        if (nb < (size_t)min_blocks)
+            r = fail(CM384_E_INVALID, "kv_pool_bytes %zu holds %zu blocks of %zu bytes; one request of max_ctx %d needs %d",
+                     want, nb, block_bytes, c.max_ctx, min_blocks);
+        if (nb > (size_t)1 << 28) nb = (size_t)1 << 28;
+        kv->n_blocks = (int)nb;
+        e->index_cap = 1;
+        while (e->index_cap < 2 * kv->n_blocks) e->index_cap *= 2;
+        e->cache_blocks_max = c.cache_bytes == (size_t)-1 ? 0
+                            : c.cache_bytes == 0 ? kv->n_blocks / 2 : (int)(c.cache_bytes / block_bytes);
+        e->lru_head = e->lru_tail = -1;
     }
     if (!r) {
-        for (int i = 0; i < kv->n_blocks; i++) e->free_blocks[i] = kv->n_blocks - 1 - i;
-        e->n_free = kv->n_blocks;
-        e->step_cap = c.prefill_chunk > 2 * c.max_batch ? c.prefill_chunk : 2 * c.max_batch;
-        r = scratch_alloc(&e->s, hp, e->step_cap, c.max_ctx + 1, c.n_workers);
+        carver cv = {NULL, 0};
+        carve_pool(e, &cv);
+        e->pool_bytes = cv.off + 64;
+        e->pool = CM384_MALLOC(e->pool_bytes);
+        if (!e->pool) r = fail(CM384_E_NOMEM, "cannot allocate the pool: %.1f MB", e->pool_bytes / 1e6);
+        else { cv.base = (uint8_t *)(((uintptr_t)e->pool + 63) & ~(uintptr_t)63); cv.off = 0; carve_pool(e, &cv); }
     }
     if (!r) {
-        e->pos = malloc((size_t)e->step_cap * sizeof(int));
-        e->tables = malloc((size_t)e->step_cap * sizeof(int *));
-        if (!e->pos || !e->tables) r = fail(CM384_E_NOMEM, "out of memory");
+        size_t nd = (size_t)e->n_dev, NL = (size_t)(hp->n_layers + hp->n_mtp), E = (size_t)(hp->n_routed > 0 ? hp->n_routed : 1);
+        e->traffic = CM384_CALLOC(nd * nd, sizeof *e->traffic);
+        e->msgs = CM384_CALLOC(nd * nd, sizeof *e->msgs);
+        e->busy = CM384_CALLOC((size_t)e->n_workers * nd, sizeof *e->busy);
+        e->expert_load = CM384_CALLOC(NL * E, sizeof *e->expert_load);
+        S->load_mark = CM384_CALLOC(NL * E, sizeof *S->load_mark);
+        e->dev_rows = CM384_CALLOC(nd, sizeof *e->dev_rows);
+        e->rg.g = CM384_CALLOC((size_t)e->rg.cap, sizeof(rg_group));
+        e->rg.e = e;
+        S->run = CM384_CALLOC((size_t)c.max_batch, sizeof *S->run);
+        if (!e->traffic || !e->msgs || !e->busy || !e->expert_load || !S->load_mark || !e->dev_rows || !e->rg.g || !S->run)
+            r = fail(CM384_E_NOMEM, "out of memory for counters");
+    }
+    if (!r && cfg && cfg->struct_size > offsetof(cm384_config, trace_path) && cfg->trace_path) {
+        e->trace = fopen(cfg->trace_path, "w");
+        e->cap_tev = 1 << 19;
+        e->tev = CM384_MALLOC((size_t)e->cap_tev * sizeof(trace_event));
+        if (!e->trace) r = fail(CM384_E_IO, "%s: cannot open the trace file: %s", cfg->trace_path, strerror(errno));
+        else if (!e->tev) r = fail(CM384_E_NOMEM, "out of memory for the trace");
+        e->t_origin = now_ns();
+    }
+    if (!r) {
+        if (pthread_create(&e->thread, NULL, sched_main, e) != 0) r = fail(CM384_E_NOMEM, "cannot start the scheduler thread");
+        else e->thread_started = 1;
     }
     if (r) { cm384_engine_free(e); return r; }
     *out = e;
     return CM384_OK;
 }
 
-/* Runs the main layers over `n` tokens of one sequence at positions
- * p0..p0+n-1 (its KV for positions < p0 already in `blocks`); leaves the
- * final-normed hidden states in h and the logits (if wanted) in logits. */
-static void forward_seq_chunk(cm384_engine *e, const int32_t *tok, int n, int p0, const int *blocks,
-                              float *h, float *logits) {
+/* ---- requests ---- */
+
+int cm384_submit(cm384_engine *e, const cm384_request *req, uint64_t *id_out) {
+    if (id_out) *id_out = 0;
+    if (!e || !req) return fail(CM384_E_INVALID, "cm384_submit: NULL argument");
+    cm384_request q;
+    cm384_request_init(&q);
+    if (req->struct_size < offsetof(cm384_request, sampling) || req->struct_size > 65536)
+        return fail(CM384_E_INVALID, "cm384_submit: request struct_size %zu is not valid", req->struct_size);
+    memcpy(&q, req, req->struct_size < sizeof q ? req->struct_size : sizeof q);
     const cm384_model *m = e->m;
-    fwd_batch b = {n, tok, e->pos, e->tables, 0};
-    for (int t = 0; t < n; t++) { e->pos[t] = p0 + t; e->tables[t] = blocks; }
-    embed_rows(&m->embed, tok, n, e->s.x);
-    for (int l = 0; l < m->hp.n_layers; l++) {
-        attention(m, &e->ex, &e->kv, l, &b, &e->s, e->s.x);
-        feed_forward(m, &e->ex, l, n, &e->s, e->s.x, NULL);
+    cm384_sampling sp;
+    cm384_sampling_init(&sp);
+    if (q.sampling) {
+        if (q.sampling->struct_size < offsetof(cm384_sampling, top_k) || q.sampling->struct_size > 65536)
+            return fail(CM384_E_INVALID, "cm384_submit: sampling struct_size is not valid");
+        memcpy(&sp, q.sampling, q.sampling->struct_size < sizeof sp ? q.sampling->struct_size : sizeof sp);
     }
-    head_rows(m, &e->ex, &m->head, m->final_norm, e->s.x, n, h, logits);
+    if (sp.max_tokens <= 0) return fail(CM384_E_INVALID, "cm384_submit: max_tokens must be at least 1");
+    if (!(sp.temperature >= 0) || !(sp.top_p >= 0) || !(sp.min_p >= 0) || sp.top_k < 0)
+        return fail(CM384_E_INVALID, "cm384_submit: bad sampling options");
+    int n;
+    if (q.text) {
+        if (!m->tok) return fail(CM384_E_UNSUPPORTED, "cm384_submit: the model has no tokenizer; submit ids");
+        size_t len = q.text_len ? q.text_len : strlen(q.text);
+        n = tokenizer_encode(m->tok, q.text, len, NULL, 0, CM384_TOK_ADD_BOS);
+        if (n < 0) return n;
+    } else {
+        if (!q.ids || q.n_ids <= 0) return fail(CM384_E_INVALID, "cm384_submit: the request has no prompt");
+        n = q.n_ids;
+    }
+    if (n < 1) return fail(CM384_E_INVALID, "cm384_submit: empty prompt");
+    if (n >= e->max_ctx)
+        return fail(CM384_E_CAPACITY, "cm384_submit: prompt of %d tokens does not fit max_ctx %d (one more token must fit)", n, e->max_ctx);
+    request *r = CM384_CALLOC(1, sizeof *r);
+    if (!r) return fail(CM384_E_NOMEM, "out of memory");
+    long cap_tokens = (long)n + sp.max_tokens + 1;
+    if (cap_tokens > e->max_ctx + 1) cap_tokens = e->max_ctx + 1;
+    r->cap_tokens = (int)cap_tokens;
+    r->cap_blocks = (e->max_ctx + e->kv.block_tokens - 1) / e->kv.block_tokens + 1;
+    r->text_cap = 512;
+    r->tokens = CM384_MALLOC((size_t)r->cap_tokens * sizeof(int32_t));
+    r->blocks = CM384_MALLOC((size_t)r->cap_blocks * sizeof(int));
+    r->text = CM384_MALLOC(r->text_cap);
+    if (!r->tokens || !r->blocks || !r->text) { request_free(r); return fail(CM384_E_NOMEM, "out of memory"); }
+    if (q.text) {
+        tokenizer_encode(m->tok, q.text, q.text_len ? q.text_len : strlen(q.text), r->tokens, n, CM384_TOK_ADD_BOS);
+    } else {
+        for (int i = 0; i < n; i++) {
+            if (q.ids[i] < 0 || q.ids[i] >= m->hp.vocab) {
+                request_free(r);
+                return fail(CM384_E_INVALID, "cm384_submit: token id %d at position %d is outside [0, %d)", q.ids[i], i, m->hp.vocab);
+            }
+            r->tokens[i] = q.ids[i];
+        }
+    }
+    r->n_prompt = r->n_tokens = n;
+    r->samp = sp;
+    r->rng = sp.seed;
+    r->tenant = q.tenant;
+    r->fn = q.on_event;
+    r->user = q.user;
+    r->device = -1;
+    r->t_submit = now_ms();
+    cm384_detok_stream_init(&r->ds);
+    sched *S = e->sched;
+    pthread_mutex_lock(&e->mu);
+    if (e->stopping) {
+        pthread_mutex_unlock(&e->mu);
+        request_free(r);
+        return fail(CM384_E_MISUSE, "cm384_submit: the engine is shutting down");
+    }
+    if (S->n_live == S->cap_live) {
+        int cap = S->cap_live ? 2 * S->cap_live : 64;
+        request **l = realloc(S->live, (size_t)cap * sizeof *l);
+        if (!l) { pthread_mutex_unlock(&e->mu); request_free(r); return fail(CM384_E_NOMEM, "out of memory"); }
+        S->live = l;
+        S->cap_live = cap;
+    }
+    r->id = ++S->next_id;
+    S->live[S->n_live++] = r;
+    if (S->inbox_tail) S->inbox_tail->next = r; else S->inbox_head = r;
+    S->inbox_tail = r;
+    S->st.requests_submitted++;
+    if (id_out) *id_out = r->id;
+    pthread_cond_signal(&e->cv_work);
+    pthread_mutex_unlock(&e->mu);
+    return CM384_OK;
 }
 
-/* MTP entries i = p0..p0+n-1 of one sequence: inputs h_i and token i+1. */
-static void forward_mtp_chunk(cm384_engine *e, const float *h, const int32_t *next_tok, int n, int p0,
-                              const int *blocks, float *logits) {
-    const cm384_model *m = e->m;
-    int l = m->hp.n_layers;
-    const layer_w *L = &m->layers[l];
-    fwd_batch b = {n, next_tok, e->pos, e->tables, 1};
-    for (int t = 0; t < n; t++) { e->pos[t] = p0 + t; e->tables[t] = blocks; }
-    mtp_input(m, &e->ex, L, h, next_tok, n, e->s.ffa, e->s.x);
-    attention(m, &e->ex, &e->kv, l, &b, &e->s, e->s.x);
-    feed_forward(m, &e->ex, l, n, &e->s, e->s.x, NULL);
-    head_rows(m, &e->ex, &L->head, L->head_norm, e->s.x, n, e->s.tmp, logits);
+int cm384_cancel(cm384_engine *e, uint64_t id) {
+    if (!e) return fail(CM384_E_INVALID, "cm384_cancel: NULL engine");
+    sched *S = e->sched;
+    int r = fail(CM384_E_NOT_FOUND, "cm384_cancel: no running request %llu", (unsigned long long)id);
+    pthread_mutex_lock(&e->mu);
+    for (int i = 0; i < S->n_live; i++)
+        if (S->live[i]->id == id) {
+            atomic_store(&S->live[i]->cancel, 1);
+            pthread_cond_signal(&e->cv_work);
+            r = CM384_OK;
+            break;
+        }
+    pthread_mutex_unlock(&e->mu);
+    return r;
 }
+
+static void deadline_after(struct timespec *ts, int ms) {
+    clock_gettime(CLOCK_REALTIME, ts);
+    ts->tv_sec += ms / 1000;
+    ts->tv_nsec += (long)(ms % 1000) * 1000000L;
+    if (ts->tv_nsec >= 1000000000L) { ts->tv_sec++; ts->tv_nsec -= 1000000000L; }
+}
+
+int cm384_wait(cm384_engine *e, uint64_t id, int timeout_ms) {
+    if (!e) return fail(CM384_E_INVALID, "cm384_wait: NULL engine");
+    sched *S = e->sched;
+    struct timespec dl;
+    if (timeout_ms >= 0) deadline_after(&dl, timeout_ms);
+    pthread_mutex_lock(&e->mu);
+    for (;;) {
+        for (int i = 0; i < S->n_done; i++)
+            if (S->done[i].id == id) {
+                int st = S->done[i].status;
+                S->done[i] = S->done[--S->n_done];
+                pthread_mutex_unlock(&e->mu);
+                return st;
+            }
+        int live = 0;
+        for (int i = 0; i < S->n_live && !live; i++) live = S->live[i]->id == id;
+        if (!live) {
+            pthread_mutex_unlock(&e->mu);
+            return fail(CM384_E_NOT_FOUND, "cm384_wait: no request %llu (or its result was already taken)", (unsigned long long)id);
+        }
+        if (timeout_ms < 0) pthread_cond_wait(&e->cv_done, &e->mu);
+        else if (pthread_cond_timedwait(&e->cv_done, &e->mu, &dl) == ETIMEDOUT) {
+            pthread_mutex_unlock(&e->mu);
+            return fail(CM384_E_CAPACITY, "cm384_wait: timed out after %d ms", timeout_ms);
+        }
+    }
+}
+
+int cm384_wait_all(cm384_engine *e) {
+    if (!e) return fail(CM384_E_INVALID, "cm384_wait_all: NULL engine");
+    pthread_mutex_lock(&e->mu);
+    while (e->sched->n_live > 0) pthread_cond_wait(&e->cv_done, &e->mu);
+    pthread_mutex_unlock(&e->mu);
+    return CM384_OK;
+}
+
+/* cm384_generate: the scheduler thread copies events into a small ring; the
+ * calling thread delivers them to the user's callback. */
+#define GEN_RING 64
+typedef struct gen_slot { cm384_event ev; char text[520]; } gen_slot;
+typedef struct gen_queue {
+    pthread_mutex_t mu;
+    pthread_cond_t  cv;
+    gen_slot        ring[GEN_RING];
+    int             head, count;
+} gen_queue;
+
+static int gen_push(void *user, const cm384_event *ev) {
+    gen_queue *q = user;
+    pthread_mutex_lock(&q->mu);
+    while (q->count == GEN_RING) pthread_cond_wait(&q->cv, &q->mu);
+    gen_slot *s = &q->ring[(q->head + q->count) % GEN_RING];
+    s->ev = *ev;
+    size_t n = ev->text_len < sizeof s->text ? ev->text_len : sizeof s->text - 1;
+    if (n) memcpy(s->text, ev->text, n);
+    s->text[n] = 0;
+    s->ev.text = NULL;
+    s->ev.text_len = n;
+    q->count++;
+    pthread_cond_broadcast(&q->cv);
+    pthread_mutex_unlock(&q->mu);
+    return 0;
+}
+
+int cm384_generate(cm384_engine *e, const char *text, const int32_t *ids, int n_ids,
+                   const cm384_sampling *s, cm384_event_fn fn, void *user) {
+    if (!e) return fail(CM384_E_INVALID, "cm384_generate: NULL engine");
+    gen_queue *q = CM384_CALLOC(1, sizeof *q);
+    if (!q) return fail(CM384_E_NOMEM, "out of memory");
+    pthread_mutex_init(&q->mu, NULL);
+    pthread_cond_init(&q->cv, NULL);
+    cm384_request rq;
+    cm384_request_init(&rq);
+    rq.text = text; rq.ids = ids; rq.n_ids = n_ids; rq.sampling = s;
+    rq.on_event = gen_push; rq.user = q;
+    uint64_t id;
+    int r = cm384_submit(e, &rq, &id);
+    int status = r, cancelled = 0;
+    for (int done = r != CM384_OK; !done;) {
+        pthread_mutex_lock(&q->mu);
+        while (!q->count) pthread_cond_wait(&q->cv, &q->mu);
+        gen_slot slot = q->ring[q->head];
+        q->head = (q->head + 1) % GEN_RING;
+        q->count--;
+        pthread_cond_broadcast(&q->cv);
+        pthread_mutex_unlock(&q->mu);
+        slot.ev.text = slot.text;
+        if (slot.ev.kind != CM384_EV_TOKEN) { done = 1; status = slot.ev.status; }
+        if (fn && fn(user, &slot.ev) && !cancelled && !done) { cm384_cancel(e, id); cancelled = 1; }
+    }
+    if (r == CM384_OK) cm384_wait(e, id, -1);           /* drop the record */
+    pthread_mutex_destroy(&q->mu);
+    pthread_cond_destroy(&q->cv);
+    CM384_FREE(q);
+    if (status == CM384_E_CANCELLED) fail(status, "cm384_generate: cancelled");
+    return status;
+}
+
+/* ---- eval: a fresh sequence through the same machinery, outside the scheduler ---- */
 
 int cm384_eval(cm384_engine *e, const int32_t *ids, int n, float *logits, float *mtp_logits) {
     if (!e || !ids || n <= 0 || !logits) return fail(CM384_E_INVALID, "cm384_eval: need an engine, ids, n > 0 and a logits buffer");
     const cm384_model *m = e->m;
     const hparams *hp = &m->hp;
-    if (n > e->cfg.max_ctx) return fail(CM384_E_CAPACITY, "cm384_eval: %d tokens exceed max_ctx %d", n, e->cfg.max_ctx);
+    if (n > e->max_ctx) return fail(CM384_E_CAPACITY, "cm384_eval: %d tokens exceed max_ctx %d", n, e->max_ctx);
     for (int i = 0; i < n; i++)
-        if (ids[i] < 0 || ids[i] >= hp->vocab) return fail(CM384_E_INVALID, "cm384_eval: token %d at position %d is outside [0, %d)", ids[i], i, hp->vocab);
+        if (ids[i] < 0 || ids[i] >= hp->vocab)
+            return fail(CM384_E_INVALID, "cm384_eval: token %d at position %d is outside [0, %d)", ids[i], i, hp->vocab);
     if (mtp_logits && !hp->n_mtp) return fail(CM384_E_UNSUPPORTED, "cm384_eval: the model has no MTP layer");
-    int nb = (n + e->kv.block_tokens) / e->kv.block_tokens;
-    int *blocks = malloc((size_t)nb * sizeof(int));
-    float *h = malloc((size_t)n * hp->dim * sizeof(float));
-    if (!blocks || !h) { free(blocks); free(h); return fail(CM384_E_NOMEM, "out of memory"); }
-    int r = block_alloc(e, nb, blocks);
-    if (r) { free(blocks); free(h); return r; }
-    int cap = e->step_cap;
-    for (int c0 = 0; c0 < n; c0 += cap) {
-        int cn = n - c0 < cap ? n - c0 : cap;
-        forward_seq_chunk(e, ids + c0, cn, c0, blocks, h + (size_t)c0 * hp->dim, logits + (size_t)c0 * hp->vocab);
+    sched *S = e->sched;
+    int B = e->kv.block_tokens, nb = (n + B) / B;
+    int *blocks = CM384_MALLOC((size_t)nb * sizeof(int));
+    float *h = CM384_MALLOC((size_t)n * hp->dim * sizeof(float));
+    if (!blocks || !h) { CM384_FREE(blocks); CM384_FREE(h); return fail(CM384_E_NOMEM, "out of memory"); }
+    pthread_mutex_lock(&S->step_mu);
+    int r = CM384_OK, got = 0;
+    for (; got < nb; got++) if ((blocks[got] = block_get(e)) < 0) break;
+    if (got < nb) r = fail(CM384_E_CAPACITY, "cm384_eval: the KV pool has no room for %d tokens now", n);
+    mb_arrays *a = &S->mba[0];
+    int dev = e->pre_devs[0];
+    for (int c0 = 0; !r && c0 < n; c0 += e->step_cap) {
+        microbatch mb = {0};
+        mb.n = n - c0 < e->step_cap ? n - c0 : e->step_cap;
+        for (int t = 0; t < mb.n; t++) { a->pos[t] = c0 + t; a->tables[t] = blocks; S->dev_of[t] = dev; }
+        mb.tok = ids + c0; mb.pos = a->pos; mb.tables = a->tables;
+        mb.phase = PHASE_PREFILL; mb.s = &e->s[0];
+        mb.logits = logits + (size_t)c0 * hp->vocab;
+        mb.h_out = h + (size_t)c0 * hp->dim;
+        mb_make_groups(&mb, a->groups, S->dev_of);
+        forward_main(e, &mb, 1);
     }
-    if (mtp_logits)
-        for (int c0 = 0; c0 < n - 1; c0 += cap) {
-            int cn = n - 1 - c0 < cap ? n - 1 - c0 : cap;
-            forward_mtp_chunk(e, h + (size_t)c0 * hp->dim, ids + c0 + 1, cn, c0, blocks, mtp_logits + (size_t)c0 * hp->vocab);
-        }
-    block_release(e, blocks, nb);
-    free(blocks);
-    free(h);
+    for (int c0 = 0; !r && mtp_logits && c0 < n - 1; c0 += e->step_cap) {
+        microbatch mb = {0};
+        mb.n = n - 1 - c0 < e->step_cap ? n - 1 - c0 : e->step_cap;
+        for (int t = 0; t < mb.n; t++) { a->pos[t] = c0 + t; a->tables[t] = blocks; S->dev_of[t] = dev; }
+        mb.tok = ids + c0 + 1; mb.pos = a->pos; mb.tables = a->tables; mb.kv_shift = 1;
+        mb.phase = PHASE_PREFILL; mb.s = &e->s[0];
+        mb.logits = mtp_logits + (size_t)c0 * hp->vocab;
+        mb_make_groups(&mb, a->groups, S->dev_of);
+        forward_mtp(e, &mb, h + (size_t)c0 * hp->dim);
+    }
+    for (int i = 0; i < got; i++) block_unref(e, blocks[i]);
+    pthread_mutex_unlock(&S->step_mu);
+    CM384_FREE(blocks);
+    CM384_FREE(h);
+    return r;
+}
+
+/* ---- tokenizer ---- */
+
+static int need_tokenizer(const cm384_model *m, const char *fn) {
+    if (!m) return fail(CM384_E_INVALID, "%s: NULL model", fn);
+    if (!m->tok) return fail(CM384_E_UNSUPPORTED, "%s: %s has no tokenizer.json", fn, m->path);
     return CM384_OK;
+}
+
+int cm384_tokenize(const cm384_model *m, const char *text, size_t len, int32_t *out, int cap, unsigned flags) {
+    int r = need_tokenizer(m, "cm384_tokenize");
+    if (r) return r;
+    if (!text && len) return fail(CM384_E_INVALID, "cm384_tokenize: NULL text");
+    if (cap < 0 || (cap > 0 && !out)) return fail(CM384_E_INVALID, "cm384_tokenize: bad output buffer");
+    return tokenizer_encode(m->tok, text ? text : "", len, out, cap, flags);
+}
+
+int cm384_detokenize(const cm384_model *m, const int32_t *ids, int n, char *out, size_t cap) {
+    int r = need_tokenizer(m, "cm384_detokenize");
+    if (r) return r;
+    if (n < 0 || (n > 0 && !ids)) return fail(CM384_E_INVALID, "cm384_detokenize: bad ids");
+    int nid = tokenizer_n_ids(m->tok);
+    for (int i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= nid)
+            return fail(CM384_E_INVALID, "cm384_detokenize: id %d at %d is not a token (the tokenizer has %d)", ids[i], i, nid);
+    return tokenizer_decode(m->tok, ids, n, out, cap);
+}
+
+void cm384_detok_stream_init(cm384_detok_stream *s) { if (s) memset(s, 0, sizeof *s); }
+
+int cm384_detok_stream_push(const cm384_model *m, cm384_detok_stream *s, int32_t id, char *out, size_t cap) {
+    int r = need_tokenizer(m, "cm384_detok_stream_push");
+    if (r) return r;
+    if (!s) return fail(CM384_E_INVALID, "cm384_detok_stream_push: NULL stream");
+    if (id < 0 || id >= tokenizer_n_ids(m->tok)) return fail(CM384_E_INVALID, "cm384_detok_stream_push: %d is not a token", id);
+    return detok_stream_push(m->tok, s, id, out, cap);
+}
+
+int cm384_detok_stream_flush(cm384_detok_stream *s, char *out, size_t cap) {
+    if (!s) return fail(CM384_E_INVALID, "cm384_detok_stream_flush: NULL stream");
+    return detok_stream_flush(s, out, cap);
+}
+
+int cm384_chat_render(const cm384_model *m, const cm384_chat_msg *msgs, int n, unsigned flags, char *out, size_t cap) {
+    int r = need_tokenizer(m, "cm384_chat_render");
+    if (r) return r;
+    if (n < 0 || (n > 0 && !msgs)) return fail(CM384_E_INVALID, "cm384_chat_render: bad messages");
+    for (int i = 0; i < n; i++)
+        if (!msgs[i].role) return fail(CM384_E_INVALID, "cm384_chat_render: message %d has no role", i);
+    return chat_render(m->tok, msgs, n, flags, out, cap);
 }
