@@ -1008,11 +1008,11 @@ static int bind_ffn(cm384_model *m, const char *prefix, int inter, ffn_w *f, int
     return bind_mat(m, n3, d, inter, &f->down, 1);
 }
 
-/* A matrix in a type every kernel reads, made from rows of another: used for
- * the absorbed-attention matrices.  fp8 is widened to bf16 as the official
- * code does (weight_dequant). */
+/* A matrix made from rows of another, in a type that holds its values
+ * exactly: used for the absorbed-attention matrices.  fp8 with block scales
+ * becomes fp32 (fp8 x scale needs more bits than bf16 has). */
 static int derive_mat(cm384_model *m, const gl_mat *src, int row0, int rows, int transpose, gl_mat *out) {
-    int type = src->type == GL_F32 ? GL_F32 : src->type == GL_F16 ? GL_F16 : GL_BF16;
+    int type = src->type == GL_F16 ? GL_F16 : src->type == GL_BF16 ? GL_BF16 : GL_F32;
     int cols = src->cols;
     size_t es = gl_type_size(type);
     void *dst = arena_alloc(&m->a, (size_t)rows * cols * es);
@@ -1831,6 +1831,7 @@ struct cm384_engine {
     uint64_t         *dev_rows;              /* [n_dev] rows computed as expert */
     _Atomic uint64_t  dispatch_bytes, dispatch_bytes_bf16, combine_bytes, combine_bytes_bf16, n_messages;
     uint64_t          kv_handoff_bytes;
+    int              *dbg_route;             /* tests: [layers][max_ctx][K] experts */
     /* trace */
     FILE             *trace;
     trace_event      *tev;
@@ -2158,6 +2159,9 @@ static void moe_layout(op *o) {
     const int *dev = pl_dev(pl, l), *nrep = pl_nrep(pl, l, E), *ord = pl_order(pl, l);
     int *count = s->entry_count, *first = s->entry_first;
     memset(count, 0, (size_t)ne * sizeof(int));
+    if (e->dbg_route)
+        for (int t = 0; t < mb->n; t++)
+            memcpy(e->dbg_route + ((size_t)l * e->max_ctx + mb->pos[t]) * K, s->top_id + (size_t)t * K, (size_t)K * sizeof(int));
     for (int t = 0; t < mb->n; t++) {
         for (int k = 0; k < K; k++) {
             int x = s->top_id[(size_t)t * K + k];
@@ -3222,8 +3226,8 @@ static void accept_token(struct cm384_engine *e, request *r, int32_t tok) {
 
 typedef struct sample_ctx { struct cm384_engine *e; request **req; int n; } sample_ctx;
 
-static void t_sample(void *ctx, int arg, int i, int worker) {
-    (void)arg;
+static void t_sample(void *ctx, int i, int task, int worker) {
+    (void)task;
     sample_ctx *sc = ctx;
     struct cm384_engine *e = sc->e;
     request *r = sc->req[i];
@@ -3235,7 +3239,7 @@ static void t_sample(void *ctx, int arg, int i, int worker) {
 static void sample_rows(struct cm384_engine *e, request **req, int n) {
     sample_ctx sc = {e, req, n};
     e->rg.name = "sample"; e->rg.layer = -1; e->rg.mb = 0;
-    for (int i = 0; i < n; i++) region_add(&e->rg, t_sample, &sc, 0, 1, req[i]->device >= 0 ? req[i]->device : 0);
+    for (int i = 0; i < n; i++) region_add(&e->rg, t_sample, &sc, i, 1, req[i]->device >= 0 ? req[i]->device : 0);
     region_run(&e->rg);
 }
 

@@ -1,0 +1,394 @@
+/* test_engine.c -- the supernode keeps the model's answer.
+ *
+ *   exactness    64 concurrent requests (prompts of 1-300 tokens, outputs
+ *                of 1-32) give exactly the greedy tokens each gives run
+ *                alone on one device, on every topology;
+ *   caching      a shared prefix is served from the context cache with the
+ *                same tokens; another tenant gets no hit;
+ *   INT8         dispatch quantized to INT8 keeps top-1 on the fixture
+ *                sequences (threshold set from measurement);
+ *   exhaustion   200 requests through a pool that fits 10 at a time all
+ *                finish with the unconstrained tokens;
+ *   cancel, concurrent submit, bad requests.
+ *
+ * The model is the tiny-dsv3 fixture with max_position_embeddings raised to
+ * 1024 (the weights do not depend on it), so prompts up to 300 fit.
+ * Set CM384_QUICK=1 for a smaller workload (used under ThreadSanitizer). */
+#include "../cm384.c"
+#include "test.h"
+
+#define FIX "tests/fixtures/tiny-dsv3"
+
+typedef struct job {
+    int32_t prompt[320];
+    int     n_prompt, max_tokens;
+    uint32_t tenant;
+    int     out[64], n_out;
+    int     status, n_cached, finals;
+    int     cancel_after;          /* callback cancels after this many tokens (0 = never) */
+} job;
+
+static int on_event(void *user, const cm384_event *ev) {
+    job *j = user;
+    if (ev->kind == CM384_EV_TOKEN) {
+        if (j->n_out < 64) j->out[j->n_out] = ev->token;
+        j->n_out++;
+        return j->cancel_after && j->n_out >= j->cancel_after;
+    }
+    j->status = ev->status;
+    j->n_cached = ev->n_cached;
+    j->finals++;
+    return 0;
+}
+
+static uint64_t rng = 12345;
+static int rnd(int n) { rng = rng * 6364136223846793005ull + 1442695040888963407ull; return (int)((rng >> 33) % (uint64_t)n); }
+
+static void make_jobs(job *jobs, int n, int max_prompt, int max_out) {
+    for (int i = 0; i < n; i++) {
+        memset(&jobs[i], 0, sizeof jobs[i]);
+        jobs[i].n_prompt = 1 + rnd(max_prompt);
+        jobs[i].prompt[0] = 0;
+        for (int t = 1; t < jobs[i].n_prompt; t++) jobs[i].prompt[t] = 3 + rnd(1000);
+        jobs[i].max_tokens = 1 + rnd(max_out);
+    }
+}
+
+static void reset_outputs(job *jobs, int n) {
+    for (int i = 0; i < n; i++) { jobs[i].n_out = 0; jobs[i].status = -99; jobs[i].finals = 0; jobs[i].n_cached = 0; }
+}
+
+static void submit_job(cm384_engine *e, job *j) {
+    cm384_sampling s;
+    cm384_sampling_init(&s);
+    s.max_tokens = j->max_tokens;
+    cm384_request rq;
+    cm384_request_init(&rq);
+    rq.ids = j->prompt; rq.n_ids = j->n_prompt; rq.sampling = &s; rq.tenant = j->tenant;
+    rq.on_event = on_event; rq.user = j;
+    int r = cm384_submit(e, &rq, NULL);
+    if (r) printf("  submit failed: %s\n", cm384_last_error());
+}
+
+static cm384_engine *engine(cm384_model *m, const char *preset, int workers, int devices, int mbs, int int8) {
+    cm384_config c;
+    cm384_config_init(&c);
+    c.preset = preset; c.n_workers = workers; c.microbatches = mbs; c.int8_dispatch = int8;
+    if (devices) c.n_devices = devices;
+    c.max_ctx = m->hp.max_pos < 512 ? m->hp.max_pos : 512;
+    cm384_engine *e = NULL;
+    if (cm384_engine_create(m, &c, &e)) printf("  engine_create: %s\n", cm384_last_error());
+    return e;
+}
+
+static int same_tokens(const job *a, const job *b) {
+    if (a->n_out != b->n_out || a->status != b->status) return 0;
+    for (int t = 0; t < a->n_out && t < 64; t++) if (a->out[t] != b->out[t]) return 0;
+    return 1;
+}
+
+static int quick;
+
+/* ---- exactness matrix ---- */
+static void exactness(cm384_model *m) {
+    int N = quick ? 12 : 64;
+    job *ref = calloc((size_t)N, sizeof *ref), *got = calloc((size_t)N, sizeof *got);
+    make_jobs(ref, N, quick ? 120 : 300, 32);
+    /* reference: each request alone on one device */
+    cm384_engine *e = engine(m, "single", 1, 0, 1, 0);
+    for (int i = 0; i < N; i++) { reset_outputs(&ref[i], 1); submit_job(e, &ref[i]); cm384_wait_all(e); }
+    cm384_engine_free(e);
+    struct { const char *name, *preset; int workers, devices, mbs; } topo[] = {
+        {"1 device, 1 worker", "single", 1, 0, 1},
+        {"1 device, 2 workers", "single", 2, 0, 2},
+        {"default, 2 workers", "default", 2, 0, 2},
+        {"default, 1 worker", "default", 1, 0, 2},
+        {"one expert per device (20 devices)", "default", 2, 20, 1},
+        {"4 devices (4 experts each)", "default", 2, 4, 2},
+        {"paper preset, 384 devices", "paper", 2, 384, 2},
+    };
+    printf("exactness: %d concurrent requests vs each alone on one device\n", N);
+    for (size_t k = 0; k < sizeof topo / sizeof topo[0]; k++) {
+        if (quick && k > 2 && k != 6) continue;
+        memcpy(got, ref, (size_t)N * sizeof *got);
+        reset_outputs(got, N);
+        e = engine(m, topo[k].preset, topo[k].workers, topo[k].devices, topo[k].mbs, 0);
+        if (!e) { CHECK(0, "engine for %s", topo[k].name); continue; }
+        double t0 = now_ms();
+        for (int i = 0; i < N; i++) submit_job(e, &got[i]);
+        cm384_wait_all(e);
+        double dt = now_ms() - t0;
+        int same = 0, one_final = 0;
+        for (int i = 0; i < N; i++) { same += same_tokens(&got[i], &ref[i]); one_final += got[i].finals == 1; }
+        cm384_stats st;
+        st.struct_size = sizeof st;
+        cm384_get_stats(e, &st);
+        printf("  %-36s %2d/%d identical, %d/%d single final event, %6.0f ms, %3d devices used for experts\n",
+               topo[k].name, same, N, one_final, N, dt, st.n_expert_devices);
+        CHECK(same == N && one_final == N, "%s: %d/%d requests identical", topo[k].name, same, N);
+        cm384_engine_free(e);
+    }
+    free(ref);
+    free(got);
+}
+
+/* ---- context caching ---- */
+static void caching(cm384_model *m) {
+    printf("context cache:\n");
+    job a = {0}, b = {0}, c = {0}, fresh = {0};
+    int n_prefix = 100;
+    for (int t = 0; t < n_prefix; t++) a.prompt[t] = 3 + (t * 37) % 1000;
+    memcpy(b.prompt, a.prompt, sizeof a.prompt);
+    for (int t = n_prefix; t < n_prefix + 20; t++) { a.prompt[t] = 3 + (t * 11) % 1000; b.prompt[t] = 3 + (t * 13) % 1000; }
+    a.n_prompt = b.n_prompt = n_prefix + 20;
+    a.max_tokens = b.max_tokens = 12;
+    c = b; c.tenant = 7;
+    fresh = b;
+    cm384_engine *e = engine(m, "default", 2, 0, 2, 0);
+    double t0 = now_ms();
+    submit_job(e, &a); cm384_wait_all(e);
+    double t_a = now_ms() - t0;
+    t0 = now_ms();
+    submit_job(e, &b); cm384_wait_all(e);
+    double t_b = now_ms() - t0;
+    submit_job(e, &c); cm384_wait_all(e);
+    cm384_stats st;
+    st.struct_size = sizeof st;
+    cm384_get_stats(e, &st);
+    cm384_engine_free(e);
+    e = engine(m, "default", 2, 0, 2, 0);
+    submit_job(e, &fresh); cm384_wait_all(e);
+    cm384_engine_free(e);
+    printf("  first request: %d cached; same prefix: %d of %d prompt tokens cached (%.1f ms vs %.1f ms); "
+           "other tenant: %d cached; hit ratio %.2f\n", a.n_cached, b.n_cached, b.n_prompt, t_b, t_a, c.n_cached,
+           st.cache_hit_ratio);
+    CHECK(a.n_cached == 0, "first request reports %d cached tokens", a.n_cached);
+    CHECK(b.n_cached >= 96, "shared prefix: only %d cached tokens", b.n_cached);
+    CHECK(same_tokens(&b, &fresh), "cached run differs from an uncached run");
+    CHECK(c.n_cached == 0, "another tenant got %d cached tokens", c.n_cached);
+    CHECK(same_tokens(&c, &fresh), "other tenant's tokens differ");
+    CHECK(st.tokens_cached >= 96 && st.cache_hit_ratio > 0, "stats: %llu cached", (unsigned long long)st.tokens_cached);
+}
+
+/* ---- INT8 dispatch ---- */
+static void int8_dispatch(cm384_model *m) {
+    printf("INT8 dispatch vs fp32 dispatch on the fixture sequences:\n");
+    arena a = {0};
+    json ref;
+    json_load_file(FIX "/reference.json", &a, &ref);
+    cm384_engine *e0 = engine(m, "default", 2, 0, 1, 0), *e1 = engine(m, "default", 2, 0, 1, 1);
+    const json *seqs = json_get(&ref, "sequences");
+    int agree = 0, total = 0;
+    double max_diff = 0;
+    for (int i = 0; i < seqs->len; i++) {
+        const json *tk = json_get(&seqs->kids[i], "tokens");
+        int n = tk->len;
+        int32_t ids[256];
+        for (int t = 0; t < n; t++) ids[t] = (int32_t)tk->kids[t].num;
+        float *l0 = malloc(sizeof(float) * n * 1024), *l1 = malloc(sizeof(float) * n * 1024);
+        cm384_eval(e0, ids, n, l0, NULL);
+        cm384_eval(e1, ids, n, l1, NULL);
+        int ag = 0;
+        for (int t = 0; t < n; t++) {
+            int b0 = 0, b1 = 0;
+            for (int v = 1; v < 1024; v++) {
+                if (l0[t * 1024 + v] > l0[t * 1024 + b0]) b0 = v;
+                if (l1[t * 1024 + v] > l1[t * 1024 + b1]) b1 = v;
+            }
+            ag += b0 == b1;
+            for (int v = 0; v < 1024; v++) max_diff = fmax(max_diff, fabs(l0[t * 1024 + v] - l1[t * 1024 + v]));
+        }
+        printf("  %-12s top-1 agreement %3d/%3d\n", json_str(&seqs->kids[i], "name", ""), ag, n);
+        agree += ag; total += n;
+        free(l0); free(l1);
+    }
+    cm384_stats s0, s1;
+    s0.struct_size = s1.struct_size = sizeof s0;
+    cm384_get_stats(e0, &s0);
+    cm384_get_stats(e1, &s1);
+    printf("  total %d/%d (%.1f%%), max |logit diff| %.3f; dispatch bytes %.2f MB INT8 vs %.2f MB fp32 (bf16 would be %.2f MB)\n",
+           agree, total, 100.0 * agree / total, max_diff, s1.dispatch_bytes / 1e6, s0.dispatch_bytes / 1e6,
+           s1.dispatch_bytes_bf16 / 1e6);
+    /* measured here: 277/284 (97.5%) -- the fixture's random weights leave
+       top-1 margins as small as 1.5e-3, so a few positions flip; the
+       threshold leaves room for a few more flips with other kernels */
+    CHECK(agree * 100 >= 95 * total, "INT8 dispatch top-1 agreement %d/%d below 95%%", agree, total);
+    CHECK(s1.dispatch_bytes * 3 < s0.dispatch_bytes, "INT8 dispatch should send under a third of fp32's bytes");
+    cm384_engine_free(e0);
+    cm384_engine_free(e1);
+    arena_free(&a);
+}
+
+/* ---- pool exhaustion ---- */
+static void exhaustion(cm384_model *m) {
+    int N = quick ? 40 : 200;
+    printf("pool exhaustion: %d requests, pool for about 10 at a time\n", N);
+    job *ref = calloc((size_t)N, sizeof *ref), *got = calloc((size_t)N, sizeof *got);
+    make_jobs(ref, N, 60, 24);
+    for (int i = 0; i < N; i++) { ref[i].n_prompt = 20 + ref[i].n_prompt; for (int t = 1; t < ref[i].n_prompt; t++) ref[i].prompt[t] = 3 + rnd(1000); }
+    cm384_engine *e = engine(m, "default", 2, 0, 2, 0);
+    reset_outputs(ref, N);
+    for (int i = 0; i < N; i++) submit_job(e, &ref[i]);
+    cm384_wait_all(e);
+    cm384_engine_free(e);
+    memcpy(got, ref, (size_t)N * sizeof *got);
+    reset_outputs(got, N);
+    cm384_config c;
+    cm384_config_init(&c);
+    c.n_workers = 2; c.int8_dispatch = 0; c.max_ctx = 128; c.kv_block_tokens = 16;
+    size_t block = (size_t)(m->hp.n_layers + m->hp.n_mtp) * 16 * (m->hp.kv_lora + m->hp.qk_rope) * sizeof(float);
+    c.kv_pool_bytes = 10 * 6 * block;              /* a request needs up to 6 blocks */
+    cm384_engine_create(m, &c, &e);
+    for (int i = 0; i < N; i++) submit_job(e, &got[i]);
+    cm384_wait_all(e);
+    cm384_stats st;
+    st.struct_size = sizeof st;
+    cm384_get_stats(e, &st);
+    cm384_engine_free(e);
+    int same = 0, finals = 0;
+    for (int i = 0; i < N; i++) { same += same_tokens(&got[i], &ref[i]); finals += got[i].finals == 1; }
+    printf("  %d/%d finished with one final event, %d/%d identical to the unconstrained run; %llu preemptions, "
+           "%llu blocks in the pool\n", finals, N, same, N, (unsigned long long)st.requests_preempted,
+           (unsigned long long)st.kv_blocks_total);
+    CHECK(finals == N && same == N, "exhaustion: %d finals, %d identical of %d", finals, same, N);
+    CHECK(st.requests_done == (uint64_t)N, "stats say %llu done", (unsigned long long)st.requests_done);
+    free(ref);
+    free(got);
+}
+
+/* ---- cancel, concurrent submit, bad requests ---- */
+typedef struct { cm384_engine *e; job *jobs; int n; } submitter;
+
+static void *submit_thread(void *arg) {
+    submitter *s = arg;
+    uint64_t ids[64];
+    for (int i = 0; i < s->n; i++) {
+        cm384_sampling sp;
+        cm384_sampling_init(&sp);
+        sp.max_tokens = s->jobs[i].max_tokens;
+        cm384_request rq;
+        cm384_request_init(&rq);
+        rq.ids = s->jobs[i].prompt; rq.n_ids = s->jobs[i].n_prompt; rq.sampling = &sp;
+        rq.on_event = on_event; rq.user = &s->jobs[i];
+        cm384_submit(s->e, &rq, &ids[i]);
+    }
+    for (int i = 0; i < s->n; i++) s->jobs[i].status = cm384_wait(s->e, ids[i], -1) == CM384_OK ? CM384_OK : -1;
+    return NULL;
+}
+
+static void control(cm384_model *m) {
+    printf("cancel, concurrent submit, bad requests:\n");
+    cm384_engine *e = engine(m, "default", 2, 0, 2, 0);
+    /* cancel from the callback */
+    job j = {0};
+    j.n_prompt = 10; for (int t = 0; t < 10; t++) j.prompt[t] = 5 + t;
+    j.max_tokens = 200; j.cancel_after = 5;
+    cm384_sampling s;
+    cm384_sampling_init(&s);
+    s.max_tokens = 200; s.ignore_eos = 1;
+    cm384_request rq;
+    cm384_request_init(&rq);
+    rq.ids = j.prompt; rq.n_ids = j.n_prompt; rq.sampling = &s; rq.on_event = on_event; rq.user = &j;
+    uint64_t id;
+    cm384_submit(e, &rq, &id);
+    int st = cm384_wait(e, id, -1);
+    printf("  cancelled from its callback after %d tokens: status %s, %d final event\n", j.n_out, cm384_strerror(st), j.finals);
+    CHECK(st == CM384_E_CANCELLED && j.finals == 1 && j.status == CM384_E_CANCELLED && j.n_out >= 5 && j.n_out < 200,
+          "callback cancel: status %d, %d tokens", st, j.n_out);
+    CHECK(cm384_wait(e, id, 0) == CM384_E_NOT_FOUND, "a finished request's result is taken once");
+    CHECK(cm384_cancel(e, id) == CM384_E_NOT_FOUND, "cancel of a finished request");
+    /* cancel from another thread while it streams */
+    job k = j;
+    k.cancel_after = 0; k.n_out = 0; k.finals = 0;
+    rq.user = &k;
+    cm384_submit(e, &rq, &id);
+    while (1) {
+        pthread_mutex_lock(&e->mu);
+        int live = 0;
+        for (int i = 0; i < e->sched->n_live; i++) if (e->sched->live[i]->id == id) live = 1;
+        pthread_mutex_unlock(&e->mu);
+        if (!live) break;
+        struct timespec ts = {0, 2000000};
+        nanosleep(&ts, NULL);
+        if (cm384_cancel(e, id) == CM384_OK) break;
+    }
+    st = cm384_wait(e, id, -1);
+    printf("  cancelled by cm384_cancel: status %s after %d tokens\n", cm384_strerror(st), k.n_out);
+    CHECK(st == CM384_E_CANCELLED && k.finals == 1, "cm384_cancel: status %d, %d finals", st, k.finals);
+    /* bad requests fail alone */
+    int32_t bad[3] = {0, 5000, 7};
+    rq.ids = bad; rq.n_ids = 3; rq.user = &j;
+    CHECK(cm384_submit(e, &rq, NULL) == CM384_E_INVALID, "unknown token id accepted");
+    static int32_t longp[600];
+    rq.ids = longp; rq.n_ids = 600;
+    CHECK(cm384_submit(e, &rq, NULL) == CM384_E_CAPACITY, "a prompt longer than the context accepted");
+    rq.ids = NULL; rq.n_ids = 0;
+    CHECK(cm384_submit(e, &rq, NULL) == CM384_E_INVALID, "an empty request accepted");
+    /* submit from four threads at once */
+    int T = 4, per = quick ? 4 : 12;
+    job *jobs = calloc((size_t)(T * per), sizeof *jobs), *ref = calloc((size_t)(T * per), sizeof *ref);
+    make_jobs(ref, T * per, 80, 16);
+    reset_outputs(ref, T * per);
+    cm384_engine *e1 = engine(m, "single", 1, 0, 1, 0);
+    for (int i = 0; i < T * per; i++) { submit_job(e1, &ref[i]); cm384_wait_all(e1); }
+    cm384_engine_free(e1);
+    memcpy(jobs, ref, (size_t)(T * per) * sizeof *jobs);
+    reset_outputs(jobs, T * per);
+    pthread_t th[4];
+    submitter sub[4];
+    for (int t = 0; t < T; t++) { sub[t] = (submitter){e, jobs + t * per, per}; pthread_create(&th[t], NULL, submit_thread, &sub[t]); }
+    for (int t = 0; t < T; t++) pthread_join(th[t], NULL);
+    int same = 0;
+    for (int i = 0; i < T * per; i++) { jobs[i].status = jobs[i].status; same += jobs[i].n_out == ref[i].n_out && !memcmp(jobs[i].out, ref[i].out, sizeof ref[i].out); }
+    printf("  %d threads x %d requests: %d/%d identical to one-at-a-time runs\n", T, per, same, T * per);
+    CHECK(same == T * per, "concurrent submit: %d/%d identical", same, T * per);
+    /* the engine still works, and frees cleanly with requests in flight */
+    job last = ref[0];
+    reset_outputs(&last, 1);
+    submit_job(e, &last);
+    for (int i = 0; i < 8; i++) { job *x = calloc(1, sizeof *x); *x = ref[i]; x->max_tokens = 30; submit_job(e, x); }
+    cm384_engine_free(e);            /* cancels what is running; each gets its final event */
+    printf("  engine freed with requests in flight\n");
+    free(jobs);
+    free(ref);
+}
+
+int main(void) {
+    quick = getenv("CM384_QUICK") != NULL;
+    /* the fixture with a longer context */
+    char dir[] = "/tmp/cm384-test-engine-XXXXXX";
+    if (!mkdtemp(dir)) return 1;
+    const char *files[] = {"config.json", "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors",
+                           "model.safetensors.index.json", "tokenizer.json", "tokenizer_config.json"};
+    for (size_t i = 0; i < sizeof files / sizeof files[0]; i++) {
+        char src[256], dst[256];
+        snprintf(src, sizeof src, FIX "/%s", files[i]);
+        snprintf(dst, sizeof dst, "%s/%s", dir, files[i]);
+        file_map f;
+        if (file_map_open(&f, src, 0)) { printf("%s\n", cm384_last_error()); return 1; }
+        FILE *o = fopen(dst, "wb");
+        const char *from = "\"max_position_embeddings\": 256";
+        char *at = i == 0 ? strstr((char *)f.data, from) : NULL;
+        if (at) {
+            fwrite(f.data, 1, (size_t)(at - (char *)f.data), o);
+            fputs("\"max_position_embeddings\": 1024", o);
+            fwrite(at + strlen(from), 1, f.size - (size_t)(at - (char *)f.data) - strlen(from), o);
+        } else {
+            fwrite(f.data, 1, f.size, o);
+        }
+        fclose(o);
+        file_map_close(&f);
+    }
+    cm384_model *m;
+    if (cm384_model_load(dir, NULL, &m)) { printf("load: %s\n", cm384_last_error()); return 1; }
+    exactness(m);
+    caching(m);
+    if (!quick) int8_dispatch(m);
+    exhaustion(m);
+    control(m);
+    cm384_model_free(m);
+    char cmd[300];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+    if (system(cmd)) {}
+    return test_summary("engine");
+}

@@ -1,0 +1,207 @@
+/* test_golden.c -- cm384 against DeepSeek's official inference code.
+ *
+ * The tiny-dsv3 fixture holds logits, greedy runs, MTP logits and routing
+ * computed by deepseek-ai/DeepSeek-V3's inference/model.py in fp32 (see
+ * tests/fixtures/tiny-dsv3/README.md).  This test checks, on one device and
+ * on the default and paper topologies:
+ *   - logits at every position of every reference sequence within 1e-3, and
+ *     the same top-1 wherever the reference margin exceeds 1e-3;
+ *   - both greedy continuations, token for token, through the scheduler;
+ *   - MTP logits within 1e-3;
+ *   - the routed experts of every token in every MoE layer (as sets);
+ *   - incremental decoding through the KV cache against the full forward
+ *     (within 1e-4).
+ * Dispatch is fp32 here: the INT8 dispatch's effect is measured in
+ * test_engine. */
+#include "../cm384.c"
+#include "test.h"
+
+#define FIX "tests/fixtures/tiny-dsv3"
+
+static arena A;
+static json ref;
+static file_map bin;
+
+static const float *ref_array(const json *rec) {
+    return (const float *)(bin.data + (size_t)json_num(rec, "offset", 0));
+}
+
+static int load_ids(const json *arr, int32_t *ids, int cap) {
+    int n = arr->len < cap ? arr->len : cap;
+    for (int i = 0; i < n; i++) ids[i] = (int32_t)arr->kids[i].num;
+    return n;
+}
+
+static int argmax(const float *x, int n) {
+    int b = 0;
+    for (int i = 1; i < n; i++) if (x[i] > x[b]) b = i;
+    return b;
+}
+
+static int collect(void *user, const cm384_event *ev) {
+    int *out = user;
+    if (ev->kind == CM384_EV_TOKEN && out[0] < 63) out[1 + out[0]++] = ev->token;
+    return 0;
+}
+
+static void check_topology(cm384_model *m, const char *preset, int microbatches) {
+    printf("[%s, %d microbatch%s]\n", preset, microbatches, microbatches > 1 ? "es" : "");
+    cm384_config c;
+    cm384_config_init(&c);
+    c.preset = preset;
+    c.n_workers = 2;
+    c.int8_dispatch = 0;
+    c.microbatches = microbatches;
+    cm384_engine *e;
+    int r = cm384_engine_create(m, &c, &e);
+    CHECK(r == CM384_OK, "engine_create(%s): %s", preset, cm384_last_error());
+    if (r) return;
+    const int V = 1024, K = 4, NL = 4;
+    e->dbg_route = calloc((size_t)NL * e->max_ctx * K, sizeof(int));
+
+    /* logits and MTP logits of every sequence */
+    const json *seqs = json_get(&ref, "sequences"), *mtp = json_get(json_get(&ref, "mtp"), "entries");
+    for (int i = 0; i < seqs->len; i++) {
+        const json *sq = &seqs->kids[i];
+        int32_t ids[256];
+        int n = load_ids(json_get(sq, "tokens"), ids, 256);
+        float *lg = malloc(sizeof(float) * n * V), *ml = malloc(sizeof(float) * n * V);
+        r = cm384_eval(e, ids, n, lg, n > 1 ? ml : NULL);
+        CHECK(r == CM384_OK, "eval %s: %s", json_str(sq, "name", ""), cm384_last_error());
+        const float *want = ref_array(json_get(sq, "logits"));
+        const json *margin = json_get(sq, "top1_margin"), *top1 = json_get(sq, "top1");
+        double mx = 0;
+        int top_ok = 1, compared = 0;
+        for (int t = 0; t < n; t++) {
+            for (int v = 0; v < V; v++) {
+                double d = fabs(lg[(size_t)t * V + v] - want[(size_t)t * V + v]);
+                if (d > mx) mx = d;
+            }
+            if (margin->kids[t].num > 1e-3) {
+                compared++;
+                if (argmax(lg + (size_t)t * V, V) != (int)top1->kids[t].num) top_ok = 0;
+            }
+        }
+        printf("  %-12s logits max |diff| %.2e, top-1 same at %d/%d positions", json_str(sq, "name", ""), mx,
+               top_ok ? compared : -1, compared);
+        CHECK(mx < 1e-3, "%s: max logit diff %g", json_str(sq, "name", ""), mx);
+        CHECK(top_ok, "%s: top-1 differs", json_str(sq, "name", ""));
+        for (int j = 0; j < mtp->len; j++) {
+            if (strcmp(json_str(&mtp->kids[j], "sequence", ""), json_str(sq, "name", ""))) continue;
+            const float *wm = ref_array(json_get(&mtp->kids[j], "logits"));
+            double mm = 0;
+            for (size_t k = 0; k < (size_t)(n - 1) * V; k++) { double d = fabs(ml[k] - wm[k]); if (d > mm) mm = d; }
+            printf(", MTP max |diff| %.2e", mm);
+            CHECK(mm < 1e-3, "%s: MTP logit diff %g", json_str(sq, "name", ""), mm);
+            /* routing: main layers and the MTP layer of seq3 */
+            const json *rt = json_get(&ref, "routing");
+            if (!strcmp(json_str(rt, "sequence", ""), json_str(sq, "name", ""))) {
+                const json *layers = json_get(rt, "layers");
+                int bad = 0, total = 0;
+                for (int li = 0; li < layers->len; li++) {
+                    int l = (int)json_num(&layers->kids[li], "layer", -1);
+                    const json *ex = json_get(&layers->kids[li], "expert_ids");
+                    for (int t = 0; t < ex->len; t++, total++) {
+                        unsigned want_set = 0, got_set = 0;
+                        for (int k = 0; k < K; k++) {
+                            want_set |= 1u << (int)ex->kids[t].kids[k].num;
+                            got_set |= 1u << e->dbg_route[((size_t)l * e->max_ctx + t) * K + k];
+                        }
+                        bad += want_set != got_set;
+                    }
+                }
+                const json *mr = json_get(&mtp->kids[j], "routing");
+                if (mr) {
+                    const json *ex = json_get(mr, "expert_ids");
+                    for (int t = 0; ex && t < ex->len; t++, total++) {
+                        unsigned want_set = 0, got_set = 0;
+                        for (int k = 0; k < K; k++) {
+                            want_set |= 1u << (int)ex->kids[t].kids[k].num;
+                            got_set |= 1u << e->dbg_route[((size_t)3 * e->max_ctx + t) * K + k];
+                        }
+                        bad += want_set != got_set;
+                    }
+                }
+                printf(", routing %d/%d token-layers identical", total - bad, total);
+                CHECK(bad == 0 && total >= 3 * 69, "routing differs for %d of %d token-layers", bad, total);
+            }
+        }
+        printf("\n");
+        free(lg);
+        free(ml);
+    }
+
+    /* greedy continuations through the scheduler (prefill, then decode) */
+    const json *gr = json_get(&ref, "greedy");
+    for (int i = 0; i < gr->len; i++) {
+        int32_t ids[256];
+        int n = load_ids(json_get(&gr->kids[i], "prompt"), ids, 256);
+        const json *gen = json_get(&gr->kids[i], "generated");
+        cm384_sampling s;
+        cm384_sampling_init(&s);
+        s.max_tokens = gen->len;
+        s.ignore_eos = 1;
+        int out[64] = {0};
+        r = cm384_generate(e, NULL, ids, n, &s, collect, out);
+        int same = r == CM384_OK && out[0] == gen->len;
+        for (int t = 0; same && t < gen->len; t++) same = out[1 + t] == (int)gen->kids[t].num;
+        printf("  greedy %d (prompt %d): %s\n", i, n, same ? "16/16 tokens identical" : "DIFFERENT");
+        CHECK(same, "greedy run %d differs (status %d)", i, r);
+    }
+
+    /* incremental decoding through the KV cache == full forward */
+    {
+        const json *sq = &seqs->kids[seqs->len - 1];
+        int32_t ids[256];
+        int n = load_ids(json_get(sq, "tokens"), ids, 256);
+        float *full = malloc(sizeof(float) * n * V), *inc = malloc(sizeof(float) * n * V);
+        cm384_eval(e, ids, n, full, NULL);
+        sched *S = e->sched;
+        pthread_mutex_lock(&S->step_mu);
+        int B = e->kv.block_tokens, nb = (n + B) / B, blocks[64];
+        for (int b = 0; b < nb; b++) blocks[b] = block_get(e);
+        /* a 100-token prefill, then one token at a time on a decode device */
+        int p0 = 100;
+        for (int p = 0; p < n;) {
+            int cnt = p == 0 ? p0 : 1;
+            microbatch mb = {0};
+            mb_arrays *a = &S->mba[0];
+            for (int t = 0; t < cnt; t++) { a->pos[t] = p + t; a->tables[t] = blocks; S->dev_of[t] = p ? e->attn_devs[0] : e->pre_devs[0]; }
+            mb.n = cnt; mb.tok = ids + p; mb.pos = a->pos; mb.tables = a->tables;
+            mb.phase = p ? PHASE_DECODE : PHASE_PREFILL; mb.s = &e->s[0]; mb.logits = inc + (size_t)p * V;
+            mb_make_groups(&mb, a->groups, S->dev_of);
+            forward_main(e, &mb, 1);
+            p += cnt;
+        }
+        for (int b = 0; b < nb; b++) block_unref(e, blocks[b]);
+        pthread_mutex_unlock(&S->step_mu);
+        double mx = 0;
+        for (size_t k = 0; k < (size_t)n * V; k++) { double d = fabs(full[k] - inc[k]); if (d > mx) mx = d; }
+        printf("  incremental decode vs full forward (%d tokens): max |diff| %.2e\n", n, mx);
+        CHECK(mx < 1e-4, "incremental decoding differs from the full forward by %g", mx);
+        free(full);
+        free(inc);
+    }
+    free(e->dbg_route);
+    e->dbg_route = NULL;
+    cm384_engine_free(e);
+}
+
+int main(void) {
+    int r = json_load_file(FIX "/reference.json", &A, &ref);
+    if (r || file_map_open(&bin, FIX "/reference.bin", 1)) {
+        printf("cannot read the fixture: %s\n", cm384_last_error());
+        return 1;
+    }
+    cm384_model *m;
+    r = cm384_model_load(FIX, NULL, &m);
+    CHECK(r == CM384_OK, "load: %s", cm384_last_error());
+    if (r) return test_summary("golden");
+    check_topology(m, "single", 1);
+    check_topology(m, "default", 2);
+    check_topology(m, "paper", 2);
+    cm384_model_free(m);
+    file_map_close(&bin);
+    arena_free(&A);
+    return test_summary("golden");
+}
