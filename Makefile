@@ -1,23 +1,95 @@
-# cm384 -- see README.md.  `make` builds the library and the tools,
-# `make run` runs the default model, `make test` runs every test.
+# cm384 -- see README.md.
+#
+#   make            the library (build/libcm384.a), the cm384 tool and examples
+#   make run        generate with the default model and show the supernode report
+#   make test       every test: unit, golden, engine, ASan+UBSan, TSan, valgrind
+#   make bench      this machine's limits, then cm384 against them
+#   make install    PREFIX=/usr/local DESTDIR=
+#
+# The library is one translation unit: `cc -O2 -c cm384.c` builds it all.
+
 CC      ?= cc
 CFLAGS  ?= -O2 -g
 CFLAGS  += -std=c11 -Wall -Wextra -pthread
 LDLIBS  += -lm -lpthread
+PREFIX  ?= /usr/local
 B       := build
+SRC     := cm384.c cm384.h $(wildcard ggml_like/*.c ggml_like/*.h)
 
-all: $(B)/libcm384.a
+# the built-in default model: the trained one when present, else the fixture
+MODEL   ?= $(if $(wildcard models/shakespeare/config.json),models/shakespeare,tests/fixtures/tiny-dsv3)
+PROMPT  ?= ROMEO:
+NTOK    ?= 64
+
+all: $(B)/libcm384.a $(B)/cm384 $(B)/embed
 
 $(B):
-	mkdir -p $(B)
+	@mkdir -p $(B) $(B)/asan $(B)/tsan
 
-$(B)/cm384.o: cm384.c cm384.h ggml_like/*.c ggml_like/*.h | $(B)
+$(B)/cm384.o: $(SRC) | $(B)
 	$(CC) $(CFLAGS) -c cm384.c -o $@
 
 $(B)/libcm384.a: $(B)/cm384.o
 	ar rcs $@ $^
 
+$(B)/cm384: examples/cm384.c cm384.h $(B)/libcm384.a
+	$(CC) $(CFLAGS) examples/cm384.c $(B)/libcm384.a -o $@ $(LDLIBS)
+
+$(B)/embed: examples/embed.c cm384.h $(B)/libcm384.a
+	$(CC) $(CFLAGS) examples/embed.c $(B)/libcm384.a -o $@ $(LDLIBS)
+
+$(B)/gen_synth: models/gen/gen_synth.c | $(B)
+	$(CC) -O2 -std=c11 -Wall -Wextra models/gen/gen_synth.c -o $@ -lm
+
+run: $(B)/cm384
+	./$(B)/cm384 run -m $(MODEL) -p "$(PROMPT)" -n $(NTOK) --report
+
+# ---- tests ----
+# Each test program includes cm384.c (to reach internals) and prints
+# "name: N passed, N failed"; tests/run.sh sums them.
+
+TESTS      := tokenizer kernels golden loader engine alloc
+ASAN_TESTS := tokenizer kernels golden loader engine
+TSAN_TESTS := engine kernels
+SAN        := -O1 -g -fno-omit-frame-pointer
+
+$(B)/test_%: tests/test_%.c tests/test.h $(SRC) | $(B)
+	$(CC) $(CFLAGS) $< -o $@ $(LDLIBS)
+
+$(B)/test_alloc: tests/test_alloc.c tests/test.h $(SRC) | $(B)
+	$(CC) $(CFLAGS) $< -o $@ $(LDLIBS) -Wl,--wrap=malloc,--wrap=calloc,--wrap=realloc
+
+$(B)/asan/test_%: tests/test_%.c tests/test.h $(SRC) | $(B)
+	$(CC) -std=c11 -Wall -Wextra -pthread $(SAN) -fsanitize=address,undefined -fno-sanitize-recover=undefined $< -o $@ $(LDLIBS)
+
+$(B)/tsan/test_%: tests/test_%.c tests/test.h $(SRC) | $(B)
+	$(CC) -std=c11 -Wall -Wextra -pthread $(SAN) -fsanitize=thread $< -o $@ $(LDLIBS)
+
+test-bins: all $(TESTS:%=$(B)/test_%) $(ASAN_TESTS:%=$(B)/asan/test_%) $(TSAN_TESTS:%=$(B)/tsan/test_%)
+
+test: test-bins
+	@B=$(B) MODEL=$(MODEL) CC="$(CC)" sh tests/run.sh
+
+# ---- benchmarks ----
+bench: all $(B)/gen_synth $(B)/bench_kernels
+	@B=$(B) sh tests/bench.sh
+
+$(B)/bench_kernels: tests/bench_kernels.c $(SRC) | $(B)
+	$(CC) $(CFLAGS) -O3 tests/bench_kernels.c -o $@ $(LDLIBS)
+
+# ---- install ----
+install: $(B)/libcm384.a $(B)/cm384
+	install -d $(DESTDIR)$(PREFIX)/lib $(DESTDIR)$(PREFIX)/include $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(PREFIX)/lib/pkgconfig
+	install -m 644 $(B)/libcm384.a $(DESTDIR)$(PREFIX)/lib/
+	install -m 644 cm384.h $(DESTDIR)$(PREFIX)/include/
+	install -m 755 $(B)/cm384 $(DESTDIR)$(PREFIX)/bin/
+	sed -e 's|@PREFIX@|$(PREFIX)|' cm384.pc.in > $(DESTDIR)$(PREFIX)/lib/pkgconfig/cm384.pc
+
+uninstall:
+	rm -f $(DESTDIR)$(PREFIX)/lib/libcm384.a $(DESTDIR)$(PREFIX)/include/cm384.h \
+	      $(DESTDIR)$(PREFIX)/bin/cm384 $(DESTDIR)$(PREFIX)/lib/pkgconfig/cm384.pc
+
 clean:
 	rm -rf $(B)
 
-.PHONY: all clean
+.PHONY: all run test test-bins bench install uninstall clean

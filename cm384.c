@@ -876,6 +876,16 @@ typedef struct layer_w {
     gl_mat  embed, head;            /* its own copies of the embedding and the head          */
 } layer_w;
 
+/* INT8 copies (GL_Q8: int8 values, one scale per output row) of the
+ * projections that carry the compute: attention projections, dense FFN,
+ * shared and routed experts.  The router, norms, embedding, head and the
+ * attention core stay in their stored type and fp32. */
+typedef struct layer_q8 {
+    gl_mat  wq_a, wq_b, wq, wkv_a, wo;
+    ffn_w   dense, shared;
+    ffn_w  *experts;
+} layer_q8;
+
 struct cm384_model {
     char         *path;
     hparams       hp;
@@ -893,7 +903,14 @@ struct cm384_model {
     float         rope_mscale;    /* cos/sin multiplier (1 unless mscale != mscale_all_dim)   */
     float         attn_scale;     /* softmax scale, YaRN mscale included                      */
     uint64_t      n_params, n_active_params, weight_bytes;
+    uint64_t      n_mtp_params;   /* of n_params, in the MTP module                        */
+    int           binding_mtp;    /* bind_* are binding an MTP layer                       */
     int           main_dtype;
+    /* INT8 W8A8 copies of the big projections, made on first use and shared
+       by every engine on this model (section 6) */
+    pthread_mutex_t q8_mu;
+    struct layer_q8 *q8;
+    arena         q8_arena;
     /* load-time progress */
     cm384_progress_fn progress;
     void         *progress_user;
@@ -968,6 +985,7 @@ static int bind_mat(cm384_model *m, const char *name, int rows, int cols, gl_mat
         out->scale = sc;
     }
     m->n_params += (uint64_t)rows * (uint64_t)cols;
+    if (m->binding_mtp) m->n_mtp_params += (uint64_t)rows * (uint64_t)cols;
     m->weight_bytes += t->nbytes;
     return report_progress(m, "tensors", t->nbytes);
 }
@@ -992,6 +1010,7 @@ static int bind_vec(cm384_model *m, const char *name, int n, float **out, int re
     else gl_row_to_f32(&g, 0, v);
     *out = v;
     m->n_params += (uint64_t)n;
+    if (m->binding_mtp) m->n_mtp_params += (uint64_t)n;
     m->weight_bytes += t->nbytes;
     return CM384_OK;
 }
@@ -1155,6 +1174,8 @@ void cm384_model_free(cm384_model *m) {
     free(m->file_names);
     free(m->tensors.items);
     arena_free(&m->a);
+    arena_free(&m->q8_arena);
+    pthread_mutex_destroy(&m->q8_mu);
     free(m->path);
     free(m);
 }
@@ -1275,19 +1296,19 @@ static int model_load_dir(cm384_model *m, const char *dir, const cm384_load_opts
     if (!m->layers || !m->rope_freq) return fail(CM384_E_NOMEM, "out of memory");
     memset(m->layers, 0, (size_t)nl * sizeof(layer_w));
     for (int l = 0; l < nl; l++) {
+        m->binding_mtp = l >= hp->n_layers;
         if ((r = bind_layer(m, l))) return r;
         if (m->layers[l].wkv_a.type != GL_BF16 || l == 0) m->main_dtype = m->layers[l].wkv_a.type;
     }
     rope_setup(m);
 
-    /* active parameters per token: everything except the routed experts that
-       a token does not visit (MTP layers excluded) */
-    uint64_t expert = 3ull * hp->dim * hp->moe_inter, n_moe = 0, mtp = 0;
+    /* active parameters per token, as DeepSeek counts them: the main model
+       without the embedding table and without the routed experts a token
+       does not visit */
+    uint64_t expert = 3ull * hp->dim * hp->moe_inter, n_moe = 0;
     for (int l = 0; l < hp->n_layers; l++) n_moe += m->layers[l].is_moe;
-    if (hp->n_mtp) {
-        mtp = 3ull * hp->dim * hp->moe_inter * hp->n_routed + 2ull * hp->dim * hp->dim;  /* rough */
-    }
-    m->n_active_params = m->n_params - n_moe * expert * (uint64_t)(hp->n_routed - hp->top_k) - mtp;
+    m->n_active_params = m->n_params - m->n_mtp_params - (uint64_t)hp->vocab * hp->dim -
+                         n_moe * expert * (uint64_t)(hp->n_routed - hp->top_k);
 
     if (o->check_values) {
         /* scan every bound weight for NaN/Inf (slow; off by default) */
@@ -1324,6 +1345,7 @@ int cm384_model_load(const char *path, const cm384_load_opts *opts, cm384_model 
     cm384_model *m = calloc(1, sizeof *m);
     if (!m) return fail(CM384_E_NOMEM, "out of memory");
     m->path = strdup(path);
+    pthread_mutex_init(&m->q8_mu, NULL);
     m->progress = o.progress;
     m->progress_user = o.progress_user;
     int r;
@@ -1730,6 +1752,9 @@ typedef struct fwd_scratch {
     mm_job *jobs;
     float  *hsel;              /* [cap][dim] normed rows that need logits          */
     int    *sel;               /* [cap] row of hsel (or -1)                         */
+    /* INT8 W8A8: activations quantized per token before each INT8 product */
+    int8_t *xnq, *qaq, *attq, *ffq, *exq;   /* like xn, qa, att, ffa, ex_a          */
+    float  *xns, *qas, *atts, *ffs, *exs;   /* their per-row scales                  */
     int    *sel_first, *sel_n; /* [cap] per device group: its rows of hsel         */
 } fwd_scratch;
 
@@ -1777,6 +1802,11 @@ static void scratch_carve(carver *c, fwd_scratch *s, const hparams *hp, int cap,
     s->jobs = carve(c, (size_t)n_jobs * sizeof(mm_job));
     s->hsel = F(C * D);
     s->sel = carve(c, C * sizeof(int));
+    s->xnq = carve(c, C * D); s->xns = F(C);
+    s->qaq = carve(c, C * (size_t)(hp->q_lora + 1)); s->qas = F(C);
+    s->attq = carve(c, C * H * hp->v_head); s->atts = F(C);
+    s->ffq = carve(c, C * inter); s->ffs = F(C);
+    s->exq = carve(c, R * mi); s->exs = F(R);
     s->sel_first = carve(c, C * sizeof(int));
     s->sel_n = carve(c, C * sizeof(int));
 #undef F
@@ -1810,6 +1840,7 @@ struct cm384_engine {
     int              *pre_devs, n_pre;       /* prefill devices                 */
     int              *attn_devs, n_attn;     /* decode attention devices        */
     placement         place[2];              /* PHASE_PREFILL, PHASE_DECODE     */
+    int              *red_devs, n_red;       /* devices for redundant experts   */
     int               shared_at_source;
     /* the pool: KV blocks, cache index, microbatch buffers */
     uint8_t          *pool;
@@ -1881,6 +1912,10 @@ static void region_run(region *rg) {
     rg->n_groups = rg->n_tasks = 0;
 }
 
+static void quantize_row(const struct cm384_engine *e, const float *x, int n, int8_t *q, float *scale) {
+    e->k->quantize_q8(x, 1, n, n, q, n, scale);
+}
+
 /* The fabric: every byte a device sends to another is counted. */
 static void fabric_count(struct cm384_engine *e, int src, int dst, uint64_t bytes, uint64_t msgs) {
     size_t i = (size_t)src * e->n_dev + dst;
@@ -1950,12 +1985,26 @@ static mm_job *op_job(op *o) {
     return jb;
 }
 
-static void op_mm(op *o, region *rg, const gl_mat *w, const float *x, int ldx, float *y, int ldy, int n, int device) {
+/* y = W x over a device's rows.  INT8 weights (GL_Q8) read the rows'
+ * quantized copy xq (same row stride) and scales xs instead of x. */
+static void op_mmq(op *o, region *rg, const gl_mat *w, const float *x, const int8_t *xq, const float *xs, int ldx,
+                   float *y, int ldy, int n, int device) {
     if (n <= 0) return;
     mm_job *jb = op_job(o);
-    jb->w = w; jb->x = x; jb->ldx = ldx; jb->y = y; jb->ldy = ldy; jb->n = n;
+    jb->w = w; jb->x = x; jb->xq = xq; jb->xs = xs; jb->ldx = ldx; jb->y = y; jb->ldy = ldy; jb->n = n;
     region_add_mm(rg, o->e->n_workers, jb, device);
 }
+
+static void op_mm(op *o, region *rg, const gl_mat *w, const float *x, int ldx, float *y, int ldy, int n, int device) {
+    op_mmq(o, rg, w, x, NULL, NULL, ldx, y, ldy, n, device);
+}
+
+/* The INT8 copy of layer l when the engine runs W8A8, else NULL. */
+static const layer_q8 *op_q8(const op *o) {
+    return o->e->cfg.int8 && o->layer >= 0 ? &o->e->m->q8[o->layer] : NULL;
+}
+
+static void quantize_row(const struct cm384_engine *e, const float *x, int n, int8_t *q, float *scale);
 
 /* ---- per-token tasks ---- */
 
@@ -1988,6 +2037,7 @@ static void t_norm(void *ctx, int g, int t, int worker) {
                     : o->kind == OP_FFN  ? m->layers[o->layer].ffn_norm : o->head_norm;
     float *xn = s->xn + (size_t)r * D;
     rmsnorm(xn, x, nw, D, hp->eps);
+    if (op_q8(o) && o->kind != OP_HEAD) quantize_row(o->e, xn, D, s->xnq + (size_t)r * D, &s->xns[r]);
     if (o->kind == OP_HEAD) {
         if (s->sel[r] >= 0) memcpy(s->hsel + (size_t)s->sel[r] * D, xn, (size_t)D * sizeof(float));
         if (mb->h_out) memcpy(mb->h_out + (size_t)r * D, xn, (size_t)D * sizeof(float));
@@ -2006,6 +2056,7 @@ static void t_kv_write(void *ctx, int g, int t, int worker) {
     if (hp->q_lora) {
         float *qa = mb->s->qa + (size_t)r * hp->q_lora;
         rmsnorm(qa, qa, L->q_norm, hp->q_lora, hp->eps);
+        if (op_q8(o)) quantize_row(o->e, qa, hp->q_lora, mb->s->qaq + (size_t)r * hp->q_lora, &mb->s->qas[r]);
     }
     const float *kva = mb->s->kva + (size_t)r * lat;
     float *row = kv_row(&o->e->kv, mb->tables[r], o->layer, mb->pos[r] + mb->kv_shift);
@@ -2099,8 +2150,20 @@ static void t_silu_group(void *ctx, int g, int t, int worker) {
     op *o = ctx;
     const hparams *hp = &o->e->m->hp;
     const layer_w *L = &o->e->m->layers[o->layer];
-    int w = L->is_moe ? L->shared.gate.rows : hp->inter;
-    silu_mul(o->mb->s->ffa, o->mb->s->ffb, (size_t)(o->mb->groups[g].first + t), 1, (size_t)w);
+    int w = L->is_moe ? L->shared.gate.rows : hp->inter, r = o->mb->groups[g].first + t;
+    fwd_scratch *s = o->mb->s;
+    silu_mul(s->ffa, s->ffb, (size_t)r, 1, (size_t)w);
+    if (op_q8(o)) quantize_row(o->e, s->ffa + (size_t)r * w, w, s->ffq + (size_t)r * w, &s->ffs[r]);
+}
+
+/* INT8 W8A8: the attention output, quantized per token for o_proj. */
+static void t_quant_att(void *ctx, int g, int t, int worker) {
+    (void)worker;
+    op *o = ctx;
+    const hparams *hp = &o->e->m->hp;
+    fwd_scratch *s = o->mb->s;
+    int r = o->mb->groups[g].first + t, w = hp->n_heads * hp->v_head;
+    quantize_row(o->e, s->att + (size_t)r * w, w, s->attq + (size_t)r * w, &s->atts[r]);
 }
 
 /* ---- the MoE: dispatch, experts, combine ---- */
@@ -2140,8 +2203,9 @@ static int entry_expert(const placement *p, int entry, int E) {
     return entry < E * p->max_rep ? entry / p->max_rep : E;          /* E means the shared expert */
 }
 
-static const ffn_w *entry_weights(const layer_w *L, const placement *p, int entry, int E) {
+static const ffn_w *entry_weights(const layer_w *L, const layer_q8 *Q, const placement *p, int entry, int E) {
     int x = entry_expert(p, entry, E);
+    if (Q) return x < E ? &Q->experts[x] : &Q->shared;
     return x < E ? &L->experts[x] : &L->shared;
 }
 
@@ -2212,8 +2276,11 @@ static int entry_tasks(const fwd_scratch *s, int en) {
     return (s->entry_count[en] + ROWS_PER_TASK - 1) / ROWS_PER_TASK;
 }
 
-/* Receiver side, INT8 dispatch into float expert weights: dequantize. */
-static void t_recv_dequant(void *ctx, int en, int c, int worker) {
+/* Receiver side: INT8 rows into float expert weights are dequantized; fp32
+ * rows into INT8 (W8A8) expert weights are quantized -- the same per-token
+ * quantization the sender would have done, so with W8A8 the INT8 dispatch
+ * loses nothing. */
+static void t_recv_prep(void *ctx, int en, int c, int worker) {
     (void)worker;
     op *o = ctx;
     fwd_scratch *s = o->mb->s;
@@ -2221,8 +2288,10 @@ static void t_recv_dequant(void *ctx, int en, int c, int worker) {
     int r0 = s->entry_first[en] + c * ROWS_PER_TASK, r1 = r0 + ROWS_PER_TASK;
     if (r1 > s->entry_first[en] + s->entry_count[en]) r1 = s->entry_first[en] + s->entry_count[en];
     for (int r = r0; r < r1; r++) {
-        const int8_t *q = s->recv_q + (size_t)r * D;
-        float *f = s->recv_f + (size_t)r * D, sc = s->recv_s[r];
+        int8_t *q = s->recv_q + (size_t)r * D;
+        float *f = s->recv_f + (size_t)r * D;
+        if (op_q8(o)) { quantize_row(o->e, f, D, q, &s->recv_s[r]); continue; }
+        float sc = s->recv_s[r];
         for (int d = 0; d < D; d++) f[d] = (float)q[d] * sc;
     }
 }
@@ -2238,11 +2307,14 @@ static void t_silu_entry(void *ctx, int en, int c, int worker) {
     fwd_scratch *s = o->mb->s;
     const hparams *hp = &o->e->m->hp;
     const placement *pl = &o->e->place[o->mb->phase];
-    int w = entry_weights(&o->e->m->layers[o->layer], pl, en, hp->n_routed)->gate.rows;
+    int w = entry_weights(&o->e->m->layers[o->layer], NULL, pl, en, hp->n_routed)->gate.rows;
     int r0 = s->entry_first[en] + c * ROWS_PER_TASK, n = ROWS_PER_TASK;
     if (r0 + n > s->entry_first[en] + s->entry_count[en]) n = s->entry_first[en] + s->entry_count[en] - r0;
     int W = ex_width(hp);
-    for (int r = r0; r < r0 + n; r++) silu_mul(s->ex_a + (size_t)r * W, s->ex_b + (size_t)r * W, 0, 1, (size_t)w);
+    for (int r = r0; r < r0 + n; r++) {
+        silu_mul(s->ex_a + (size_t)r * W, s->ex_b + (size_t)r * W, 0, 1, (size_t)w);
+        if (op_q8(o)) quantize_row(o->e, s->ex_a + (size_t)r * W, w, s->exq + (size_t)r * W, &s->exs[r]);
+    }
 }
 
 /* Expert side: write the outputs back into the source's combine buffer. */
@@ -2267,6 +2339,7 @@ static int attn_stage(op *o, region *rg) {
     const layer_w *L = &o->e->m->layers[o->layer];
     fwd_scratch *s = mb->s;
     int D = hp->dim, H = hp->n_heads, qk = hp->qk_nope + hp->qk_rope, lat = hp->kv_lora + hp->qk_rope;
+    const layer_q8 *Q = op_q8(o);
     rg->name = "attention"; rg->layer = o->layer; rg->mb = mb->index;
     for (;;) switch (o->stage++) {
     case 0:
@@ -2278,9 +2351,11 @@ static int attn_stage(op *o, region *rg) {
         FOR_GROUPS(mb, g) {
             size_t f = (size_t)mb->groups[g].first;
             int n = mb->groups[g].n, d = mb->groups[g].device;
-            if (hp->q_lora) op_mm(o, rg, &L->wq_a, s->xn + f * D, D, s->qa + f * hp->q_lora, hp->q_lora, n, d);
-            else op_mm(o, rg, &L->wq, s->xn + f * D, D, s->q + f * H * qk, H * qk, n, d);
-            op_mm(o, rg, &L->wkv_a, s->xn + f * D, D, s->kva + f * lat, lat, n, d);
+            const float *x = s->xn + f * D, *xs = s->xns + f;
+            const int8_t *xq = s->xnq + f * D;
+            if (hp->q_lora) op_mmq(o, rg, Q ? &Q->wq_a : &L->wq_a, x, xq, xs, D, s->qa + f * hp->q_lora, hp->q_lora, n, d);
+            else op_mmq(o, rg, Q ? &Q->wq : &L->wq, x, xq, xs, D, s->q + f * H * qk, H * qk, n, d);
+            op_mmq(o, rg, Q ? &Q->wkv_a : &L->wkv_a, x, xq, xs, D, s->kva + f * lat, lat, n, d);
         }
         return 1;
     case 2:
@@ -2291,8 +2366,8 @@ static int attn_stage(op *o, region *rg) {
         o->n_jobs = 0;
         FOR_GROUPS(mb, g) {
             size_t f = (size_t)mb->groups[g].first;
-            op_mm(o, rg, &L->wq_b, s->qa + f * hp->q_lora, hp->q_lora, s->q + f * H * qk, H * qk,
-                  mb->groups[g].n, mb->groups[g].device);
+            op_mmq(o, rg, Q ? &Q->wq_b : &L->wq_b, s->qa + f * hp->q_lora, s->qaq + f * hp->q_lora, s->qas + f,
+                   hp->q_lora, s->q + f * H * qk, H * qk, mb->groups[g].n, mb->groups[g].device);
         }
         return 1;
     case 4:
@@ -2305,11 +2380,15 @@ static int attn_stage(op *o, region *rg) {
         FOR_GROUPS(mb, g) region_add(rg, t_uv, o, g, H, mb->groups[g].device);
         return 1;
     case 7:
+        if (!Q) continue;
+        FOR_GROUPS(mb, g) region_add(rg, t_quant_att, o, g, mb->groups[g].n, mb->groups[g].device);
+        return 1;
+    case 8:
         o->n_jobs = 0;
         FOR_GROUPS(mb, g) {
             size_t f = (size_t)mb->groups[g].first;
-            op_mm(o, rg, &L->wo, s->att + f * H * hp->v_head, H * hp->v_head, s->tmp + f * D, D,
-                  mb->groups[g].n, mb->groups[g].device);
+            op_mmq(o, rg, Q ? &Q->wo : &L->wo, s->att + f * H * hp->v_head, s->attq + f * H * hp->v_head, s->atts + f,
+                   H * hp->v_head, s->tmp + f * D, D, mb->groups[g].n, mb->groups[g].device);
         }
         return 1;
     default:
@@ -2324,6 +2403,8 @@ static int dense_stage(op *o, region *rg) {
     const layer_w *L = &o->e->m->layers[o->layer];
     fwd_scratch *s = mb->s;
     int D = hp->dim, I = hp->inter;
+    const layer_q8 *Q = op_q8(o);
+    const ffn_w *F = Q ? &Q->dense : &L->dense;
     rg->name = "ffn"; rg->layer = o->layer; rg->mb = mb->index;
     switch (o->stage++) {
     case 0:
@@ -2334,8 +2415,9 @@ static int dense_stage(op *o, region *rg) {
         o->n_jobs = 0;
         FOR_GROUPS(mb, g) {
             size_t f = (size_t)mb->groups[g].first;
-            op_mm(o, rg, &L->dense.gate, s->xn + f * D, D, s->ffa + f * I, I, mb->groups[g].n, mb->groups[g].device);
-            op_mm(o, rg, &L->dense.up, s->xn + f * D, D, s->ffb + f * I, I, mb->groups[g].n, mb->groups[g].device);
+            int n = mb->groups[g].n, d = mb->groups[g].device;
+            op_mmq(o, rg, &F->gate, s->xn + f * D, s->xnq + f * D, s->xns + f, D, s->ffa + f * I, I, n, d);
+            op_mmq(o, rg, &F->up, s->xn + f * D, s->xnq + f * D, s->xns + f, D, s->ffb + f * I, I, n, d);
         }
         return 1;
     case 2:
@@ -2345,7 +2427,8 @@ static int dense_stage(op *o, region *rg) {
         o->n_jobs = 0;
         FOR_GROUPS(mb, g) {
             size_t f = (size_t)mb->groups[g].first;
-            op_mm(o, rg, &L->dense.down, s->ffa + f * I, I, s->tmp + f * D, D, mb->groups[g].n, mb->groups[g].device);
+            op_mmq(o, rg, &F->down, s->ffa + f * I, s->ffq + f * I, s->ffs + f, I, s->tmp + f * D, D,
+                   mb->groups[g].n, mb->groups[g].device);
         }
         return 1;
     default:
@@ -2364,6 +2447,8 @@ static int moe_stage(op *o, region *rg) {
     int D = hp->dim, E = hp->n_routed, K = hp->top_k, W = ex_width(hp);
     int at_source = L->shared.gate.data && pl->n_shared == 0, SI = L->shared.gate.rows;
     const int *dev = pl_dev(pl, o->layer), *ord = pl_order(pl, o->layer);
+    const layer_q8 *Q = op_q8(o);
+    const ffn_w *SH = Q ? &Q->shared : &L->shared;
     rg->name = "moe"; rg->layer = o->layer; rg->mb = mb->index;
     for (;;) switch (o->stage++) {
     case 0:
@@ -2377,8 +2462,8 @@ static int moe_stage(op *o, region *rg) {
             int n = mb->groups[g].n, d = mb->groups[g].device;
             op_mm(o, rg, &L->router, s->xn + f * D, D, s->router + f * E, E, n, d);
             if (at_source) {
-                op_mm(o, rg, &L->shared.gate, s->xn + f * D, D, s->ffa + f * SI, SI, n, d);
-                op_mm(o, rg, &L->shared.up, s->xn + f * D, D, s->ffb + f * SI, SI, n, d);
+                op_mmq(o, rg, &SH->gate, s->xn + f * D, s->xnq + f * D, s->xns + f, D, s->ffa + f * SI, SI, n, d);
+                op_mmq(o, rg, &SH->up, s->xn + f * D, s->xnq + f * D, s->xns + f, D, s->ffb + f * SI, SI, n, d);
             }
         }
         return 1;
@@ -2394,15 +2479,15 @@ static int moe_stage(op *o, region *rg) {
         o->n_jobs = 0;
         if (at_source) FOR_GROUPS(mb, g) {
             size_t f = (size_t)mb->groups[g].first;
-            op_mm(o, rg, &L->shared.down, s->ffa + f * SI, SI, s->comb + (f * (K + 1) + K) * D, (K + 1) * D,
-                  mb->groups[g].n, mb->groups[g].device);
+            op_mmq(o, rg, &SH->down, s->ffa + f * SI, s->ffq + f * SI, s->ffs + f, SI,
+                   s->comb + (f * (K + 1) + K) * D, (K + 1) * D, mb->groups[g].n, mb->groups[g].device);
         }
         return 1;
-    case 4:                                   /* receivers turn INT8 rows into fp32 */
-        if (!e->cfg.int8_dispatch) continue;
+    case 4:              /* receivers convert rows to what their weights take */
+        if (!e->cfg.int8_dispatch == !Q) continue;
         rg->name = "experts";
         for (int i = 0; i < pl->n_entries && ord[i] >= 0; i++)
-            region_add(rg, t_recv_dequant, o, ord[i], entry_tasks(s, ord[i]), dev[ord[i]]);
+            region_add(rg, t_recv_prep, o, ord[i], entry_tasks(s, ord[i]), dev[ord[i]]);
         return 1;
     case 5:                                   /* each expert over all rows it received */
         rg->name = "experts";
@@ -2410,9 +2495,9 @@ static int moe_stage(op *o, region *rg) {
         for (int i = 0; i < pl->n_entries && ord[i] >= 0; i++) {
             int en = ord[i], n = s->entry_count[en];
             size_t f = (size_t)s->entry_first[en];
-            const ffn_w *fw = entry_weights(L, pl, en, E);
-            op_mm(o, rg, &fw->gate, s->recv_f + f * D, D, s->ex_a + f * W, W, n, dev[en]);
-            op_mm(o, rg, &fw->up, s->recv_f + f * D, D, s->ex_b + f * W, W, n, dev[en]);
+            const ffn_w *fw = entry_weights(L, Q, pl, en, E);
+            op_mmq(o, rg, &fw->gate, s->recv_f + f * D, s->recv_q + f * D, s->recv_s + f, D, s->ex_a + f * W, W, n, dev[en]);
+            op_mmq(o, rg, &fw->up, s->recv_f + f * D, s->recv_q + f * D, s->recv_s + f, D, s->ex_b + f * W, W, n, dev[en]);
         }
         return 1;
     case 6:
@@ -2426,8 +2511,8 @@ static int moe_stage(op *o, region *rg) {
         for (int i = 0; i < pl->n_entries && ord[i] >= 0; i++) {
             int en = ord[i], n = s->entry_count[en];
             size_t f = (size_t)s->entry_first[en];
-            const ffn_w *fw = entry_weights(L, pl, en, E);
-            op_mm(o, rg, &fw->down, s->ex_a + f * W, W, s->ex_out + f * D, D, n, dev[en]);
+            const ffn_w *fw = entry_weights(L, Q, pl, en, E);
+            op_mmq(o, rg, &fw->down, s->ex_a + f * W, s->exq + f * W, s->exs + f, W, s->ex_out + f * D, D, n, dev[en]);
         }
         return 1;
     case 8:
@@ -2689,12 +2774,8 @@ static void eplb_rebalance(struct cm384_engine *e, const uint64_t *load_since) {
     const hparams *hp = &e->m->hp;
     placement *p = &e->place[PHASE_DECODE];
     int E = hp->n_routed, NL = hp->n_layers + hp->n_mtp;
-    if (p->max_rep < 2) return;
-    int n_red = 0, *red = NULL;
-    for (int d = 0; d < e->n_dev; d++) if (e->dev[d].roles & ROLE_EXPERT && e->dev[d].n_hosted == 0) n_red++;
-    if (!n_red || !(red = CM384_MALLOC((size_t)n_red * sizeof(int)))) return;
-    n_red = 0;
-    for (int d = 0; d < e->n_dev; d++) if (e->dev[d].roles & ROLE_EXPERT && e->dev[d].n_hosted == 0) red[n_red++] = d;
+    int n_red = e->n_red, *red = e->red_devs;
+    if (p->max_rep < 2 || !n_red) return;
     for (int l = 0; l < NL; l++) {
         if (!e->m->layers[l].is_moe) continue;
         int *dev = pl_dev(p, l), *nrep = pl_nrep(p, l, E);
@@ -2710,7 +2791,75 @@ static void eplb_rebalance(struct cm384_engine *e, const uint64_t *load_since) {
         }
         pl_sort(p, l);
     }
-    CM384_FREE(red);
+}
+
+/* ---- INT8 W8A8 weights: made once per model, shared by its engines ---- */
+
+typedef struct q8_job { const gl_mat *src; gl_mat *dst; int first; } q8_job;
+typedef struct q8_ctx { q8_job *jobs; int n; } q8_ctx;
+
+#define Q8_ROWS 64
+
+static void t_quantize_weight(void *ctx, int t, int worker) {
+    (void)worker;
+    q8_ctx *q = ctx;
+    int lo = 0, hi = q->n - 1;
+    while (lo < hi) { int mid = (lo + hi + 1) / 2; if (q->jobs[mid].first <= t) lo = mid; else hi = mid - 1; }
+    const q8_job *j = &q->jobs[lo];
+    int r0 = (t - j->first) * Q8_ROWS, r1 = r0 + Q8_ROWS;
+    if (r1 > j->src->rows) r1 = j->src->rows;
+    gl_quantize_weight_q8(j->src, (int8_t *)j->dst->data, (float *)j->dst->scale, r0, r1);
+}
+
+static int model_make_q8(cm384_model *m, gl_pool *pool) {
+    pthread_mutex_lock(&m->q8_mu);
+    if (m->q8) { pthread_mutex_unlock(&m->q8_mu); return CM384_OK; }
+    const hparams *hp = &m->hp;
+    int NL = hp->n_layers + hp->n_mtp, cap = 0;
+    for (int l = 0; l < NL; l++) cap += 4 + 3 + 3 * (hp->n_routed + 1);
+    layer_q8 *q8 = arena_alloc(&m->q8_arena, (size_t)NL * sizeof *q8);
+    q8_job *jobs = CM384_MALLOC((size_t)cap * sizeof *jobs);
+    int n = 0, tasks = 0, r = CM384_OK;
+    if (!q8 || !jobs) r = fail(CM384_E_NOMEM, "out of memory for INT8 weights");
+    if (!r) memset(q8, 0, (size_t)NL * sizeof *q8);
+#define ADD(srcp, dstp)                                                                          \
+    do {                                                                                         \
+        const gl_mat *src_ = (srcp); gl_mat *dst_ = (dstp);                                       \
+        if (r || !src_->data) break;                                                             \
+        dst_->type = GL_Q8; dst_->rows = src_->rows; dst_->cols = src_->cols;                     \
+        dst_->data = arena_alloc(&m->q8_arena, (size_t)src_->rows * src_->cols);                   \
+        dst_->scale = arena_alloc(&m->q8_arena, (size_t)src_->rows * sizeof(float));               \
+        if (!dst_->data || !dst_->scale) { r = fail(CM384_E_NOMEM, "out of memory for INT8 weights"); break; } \
+        jobs[n] = (q8_job){src_, dst_, tasks};                                                   \
+        tasks += (src_->rows + Q8_ROWS - 1) / Q8_ROWS;                                            \
+        n++;                                                                                     \
+    } while (0)
+    for (int l = 0; !r && l < NL; l++) {
+        const layer_w *L = &m->layers[l];
+        layer_q8 *Q = &q8[l];
+        ADD(&L->wq_a, &Q->wq_a); ADD(&L->wq_b, &Q->wq_b); ADD(&L->wq, &Q->wq);
+        ADD(&L->wkv_a, &Q->wkv_a); ADD(&L->wo, &Q->wo);
+        ADD(&L->dense.gate, &Q->dense.gate); ADD(&L->dense.up, &Q->dense.up); ADD(&L->dense.down, &Q->dense.down);
+        ADD(&L->shared.gate, &Q->shared.gate); ADD(&L->shared.up, &Q->shared.up); ADD(&L->shared.down, &Q->shared.down);
+        if (L->is_moe) {
+            Q->experts = arena_alloc(&m->q8_arena, (size_t)hp->n_routed * sizeof(ffn_w));
+            if (!Q->experts) { r = fail(CM384_E_NOMEM, "out of memory for INT8 weights"); break; }
+            for (int x = 0; x < hp->n_routed; x++) {
+                ADD(&L->experts[x].gate, &Q->experts[x].gate);
+                ADD(&L->experts[x].up, &Q->experts[x].up);
+                ADD(&L->experts[x].down, &Q->experts[x].down);
+            }
+        }
+    }
+#undef ADD
+    if (!r) {
+        q8_ctx ctx = {jobs, n};
+        gl_pool_run(pool, tasks, t_quantize_weight, &ctx);
+        m->q8 = q8;
+    }
+    CM384_FREE(jobs);
+    pthread_mutex_unlock(&m->q8_mu);
+    return r;
 }
 
 static int build_topology(struct cm384_engine *e) {
@@ -2768,7 +2917,13 @@ static int build_topology(struct cm384_engine *e) {
         e->dev[first_exp + x % n_exp].n_hosted++;
     }
     for (int j = 0; j < n_shared; j++) e->dev[first_exp + E + j].roles |= ROLE_SHARED;
-    for (int j = 0; j < n_red; j++) e->dev[first_exp + E + n_shared + j].roles |= ROLE_EXPERT;
+    e->red_devs = CM384_MALLOC((size_t)(n_red > 0 ? n_red : 1) * sizeof(int));
+    if (!e->red_devs) return fail(CM384_E_NOMEM, "out of memory");
+    for (int j = 0; j < n_red; j++) {
+        e->red_devs[j] = first_exp + E + n_shared + j;
+        e->dev[e->red_devs[j]].roles |= ROLE_EXPERT;
+    }
+    e->n_red = n_red;
     if (n_red) {
         /* start with replicas of evenly spaced experts until load is measured */
         uint64_t *flat = CM384_CALLOC((size_t)NL * E, sizeof(uint64_t));
@@ -3697,7 +3852,7 @@ void cm384_engine_free(cm384_engine *e) {
     }
     pl_free(&e->place[0]);
     pl_free(&e->place[1]);
-    CM384_FREE(e->dev); CM384_FREE(e->pre_devs); CM384_FREE(e->attn_devs);
+    CM384_FREE(e->dev); CM384_FREE(e->pre_devs); CM384_FREE(e->attn_devs); CM384_FREE(e->red_devs);
     CM384_FREE(e->pool);
     CM384_FREE(e->traffic); CM384_FREE(e->msgs); CM384_FREE(e->busy);
     CM384_FREE(e->expert_load); CM384_FREE(e->dev_rows); CM384_FREE(e->tev);
@@ -3773,7 +3928,6 @@ int cm384_engine_create(const cm384_model *m, const cm384_config *cfg, cm384_eng
     if (c.kv_block_tokens <= 0) c.kv_block_tokens = 16;
     if (c.prefill_chunk <= 0) c.prefill_chunk = 512;
     if (c.microbatches != 1) c.microbatches = 2;
-    if (c.int8) return fail(CM384_E_UNSUPPORTED, "INT8 W8A8 weights are not available yet");
 
     cm384_engine *e = CM384_CALLOC(1, sizeof *e);
     if (!e) return fail(CM384_E_NOMEM, "out of memory");
@@ -3794,6 +3948,7 @@ int cm384_engine_create(const cm384_model *m, const cm384_config *cfg, cm384_eng
     e->pool_threads = gl_pool_create(c.n_workers);
     if (!e->sched || !e->pool_threads) r = fail(CM384_E_NOMEM, "cannot start %d worker threads", c.n_workers);
     if (!r) r = build_topology(e);
+    if (!r && c.int8) r = model_make_q8((cm384_model *)m, e->pool_threads);
     sched *S = e->sched;
     if (!r) {
         pthread_mutex_init(&S->step_mu, NULL);

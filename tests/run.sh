@@ -1,0 +1,85 @@
+#!/bin/sh
+# run.sh -- runs every cm384 test and ends with one line: "N passed, N failed".
+# Called by `make test` (which builds the binaries first).  Each test program
+# prints its own "name: N passed, N failed"; a step without such a line
+# counts as one check, passed if it exits 0.
+B=${B:-build}
+MODEL=${MODEL:-tests/fixtures/tiny-dsv3}
+CC=${CC:-cc}
+passed=0
+failed=0
+log=$(mktemp)
+start=$(date +%s)
+
+step() {  # step NAME COMMAND...
+    name=$1; shift
+    t0=$(date +%s)
+    printf '== %s\n' "$name"
+    "$@" >"$log" 2>&1
+    rc=$?
+    cat "$log"
+    line=$(grep -E '[0-9]+ passed, [0-9]+ failed' "$log" | tail -n 1)
+    if [ -n "$line" ]; then
+        p=$(echo "$line" | sed -E 's/.* ([0-9]+) passed, ([0-9]+) failed.*/\1/')
+        f=$(echo "$line" | sed -E 's/.* ([0-9]+) passed, ([0-9]+) failed.*/\2/')
+        if [ "$rc" -ne 0 ] && [ "$f" -eq 0 ]; then f=1; fi
+    elif [ "$rc" -eq 0 ]; then p=1; f=0
+    else p=0; f=1; echo "   (exit status $rc)"
+    fi
+    passed=$((passed + p))
+    failed=$((failed + f))
+    printf '   %s: %d passed, %d failed (%ds)\n' "$name" "$p" "$f" $(($(date +%s) - t0))
+}
+
+# unit and golden tests
+for t in tokenizer kernels golden loader engine alloc; do
+    step "$t" "$B/test_$t"
+done
+
+# the same under AddressSanitizer + UndefinedBehaviorSanitizer
+for t in tokenizer kernels golden loader; do
+    step "asan+ubsan $t" env ASAN_OPTIONS=detect_leaks=1 "$B/asan/test_$t"
+done
+step "asan+ubsan engine" env CM384_QUICK=1 ASAN_OPTIONS=detect_leaks=1 "$B/asan/test_engine"
+
+# threaded tests under ThreadSanitizer
+step "tsan engine" env CM384_QUICK=1 TSAN_OPTIONS="halt_on_error=1" "$B/tsan/test_engine"
+step "tsan kernels (pool)" env CM384_QUICK=1 TSAN_OPTIONS="halt_on_error=1" "$B/tsan/test_kernels"
+
+# the smallest embedding program, and the tool
+step "examples/embed" "$B/embed" "$MODEL" "ROMEO:"
+step "cm384 tokenize" "$B/cm384" tokenize -m tests/fixtures/tiny-dsv3 --quiet "Hello world"
+step "cm384 eval" "$B/cm384" eval -m tests/fixtures/tiny-dsv3 -t 2 --top 2 "Hello"
+step "cm384 bench (paper preset)" "$B/cm384" bench -m tests/fixtures/tiny-dsv3 -t 2 -p 32 -n 8 --requests 8 --preset paper --json
+
+# one translation unit, warning-free, header usable from C++
+step "gcc -Wall -Wextra -Werror -c cm384.c" gcc -std=c11 -O2 -Wall -Wextra -Werror -c cm384.c -o "$B/check_gcc.o"
+if command -v clang >/dev/null 2>&1; then
+    step "clang -Wall -Wextra -Werror -c cm384.c" clang -std=c11 -O2 -Wall -Wextra -Werror -c cm384.c -o "$B/check_clang.o"
+fi
+if command -v c++ >/dev/null 2>&1; then
+    step "cm384.h compiles as C++" c++ -fsyntax-only -Wall -Wextra -x c++ cm384.h
+fi
+
+# a load under valgrind
+if command -v valgrind >/dev/null 2>&1; then
+    step "valgrind: load and free" valgrind -q --error-exitcode=9 --leak-check=full --errors-for-leak-kinds=definite \
+        "$B/cm384" info -m tests/fixtures/tiny-dsv3
+fi
+
+# the NEON kernels, cross-built and run under qemu when available
+if command -v aarch64-linux-gnu-gcc >/dev/null 2>&1 && command -v qemu-aarch64 >/dev/null 2>&1; then
+    if aarch64-linux-gnu-gcc -O2 -std=c11 -pthread tests/test_kernels.c -o "$B/test_kernels_arm64" -lm >"$log" 2>&1; then
+        step "kernels on aarch64 (qemu)" env CM384_QUICK=1 qemu-aarch64 -L /usr/aarch64-linux-gnu "$B/test_kernels_arm64"
+    else
+        cat "$log"; failed=$((failed + 1)); echo "   aarch64 build failed"
+    fi
+else
+    echo "== kernels on aarch64: skipped (no aarch64-linux-gnu-gcc / qemu-aarch64; .ci/run installs them)"
+fi
+
+rm -f "$log"
+echo
+echo "total time $(($(date +%s) - start))s"
+echo "$passed passed, $failed failed"
+[ "$failed" -eq 0 ]
