@@ -441,8 +441,20 @@ static int cmd_bench(const opts *o) {
     st.struct_size = sizeof st;
     cm384_get_stats(e, &st);
     double out_tok_s = (double)R * N / wall;
+    /* what one token costs: active weights read once per decode step (bytes)
+       and 2 flops per active parameter */
+    cm384_model_info in;
+    memset(&in, 0, sizeof in);
+    in.struct_size = sizeof in;
+    cm384_model_get_info(m, &in);
+    double bpp = o->int8 ? 1.0 : !strcmp(in.weight_dtype, "F32") ? 4.0 : !strcmp(in.weight_dtype, "F8_E4M3") ? 1.0 : 2.0;
+    double act_bytes = (double)in.n_active_params * bpp;
+    double decode_gbs = C == 1 ? act_bytes * st.decode_tok_per_s / 1e9 : 0;   /* one stream reads them all per token */
+    double prefill_gops = 2.0 * (double)in.n_active_params * st.prefill_tok_per_s / 1e9;
     if (o->json) {
-        printf("{\"model\":\"%s\",\"prompt\":%d,\"gen\":%d,\"requests\":%d,\"concurrency\":%d,\"threads\":%d,"
+        printf("{\"active_params\":%llu,\"bytes_per_param\":%.1f,\"decode_weight_gbs\":%.2f,\"prefill_gops\":%.2f,",
+               (unsigned long long)in.n_active_params, bpp, decode_gbs, prefill_gops);
+        printf("\"model\":\"%s\",\"prompt\":%d,\"gen\":%d,\"requests\":%d,\"concurrency\":%d,\"threads\":%d,"
                "\"preset\":\"%s\",\"int8\":%d,\"int8_dispatch\":%d,\"shared_prefix\":%.2f,\"load_s\":%.3f,"
                "\"wall_s\":%.3f,\"output_tok_s\":%.2f,\"prefill_tok_s\":%.2f,\"decode_tok_s\":%.2f,"
                "\"ttft_p50_ms\":%.2f,\"ttft_p99_ms\":%.2f,\"tpot_p50_ms\":%.3f,\"tpot_p99_ms\":%.3f,"

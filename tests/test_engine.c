@@ -353,6 +353,48 @@ static void control(cm384_model *m) {
     free(ref);
 }
 
+/* ---- the Chrome trace parses back, one track per device ---- */
+static void trace(cm384_model *m) {
+    printf("trace:\n");
+    char path[] = "/tmp/cm384-trace-XXXXXX";
+    int fd = mkstemp(path);
+    if (fd < 0) { CHECK(0, "mkstemp"); return; }
+    close(fd);
+    cm384_config c;
+    cm384_config_init(&c);
+    c.n_workers = 2; c.max_ctx = 256; c.trace_path = path;
+    cm384_engine *e;
+    CHECK(cm384_engine_create(m, &c, &e) == CM384_OK, "engine with trace: %s", cm384_last_error());
+    job jobs[4];
+    make_jobs(jobs, 4, 40, 8);
+    reset_outputs(jobs, 4);
+    for (int i = 0; i < 4; i++) submit_job(e, &jobs[i]);
+    cm384_wait_all(e);
+    cm384_engine_free(e);
+    arena a = {0};
+    json t;
+    int r = json_load_file(path, &a, &t);
+    CHECK(r == CM384_OK, "trace is not valid JSON: %s", cm384_last_error());
+    const json *ev = json_get(&t, "traceEvents");
+    int n_x = 0, bad = 0, tids[400] = {0}, n_tids = 0, names = 0;
+    const char *want[] = {"attention", "moe", "dispatch", "experts", "combine", "head"};
+    int seen[6] = {0};
+    for (int i = 0; ev && i < ev->len; i++) {
+        const json *x = &ev->kids[i];
+        if (strcmp(json_str(x, "ph", ""), "X")) continue;
+        n_x++;
+        if (!json_is_num(json_get(x, "ts")) || !json_is_num(json_get(x, "dur")) || json_num(x, "dur", -1) < 0) bad++;
+        int tid = (int)json_num(x, "tid", -1);
+        if (tid >= 0 && tid < 400 && !tids[tid]) { tids[tid] = 1; n_tids++; }
+        for (int k = 0; k < 6; k++) if (!strcmp(json_str(x, "name", ""), want[k])) seen[k] = 1;
+    }
+    for (int k = 0; k < 6; k++) names += seen[k];
+    printf("  %d complete events on %d device tracks, %d/6 phase names, %d malformed\n", n_x, n_tids, names, bad);
+    CHECK(n_x > 100 && bad == 0 && n_tids >= 4 && names == 6, "trace content");
+    arena_free(&a);
+    unlink(path);
+}
+
 int main(void) {
     quick = getenv("CM384_QUICK") != NULL;
     /* the fixture with a longer context */
@@ -386,6 +428,7 @@ int main(void) {
     if (!quick) int8_dispatch(m);
     exhaustion(m);
     control(m);
+    trace(m);
     cm384_model_free(m);
     char cmd[300];
     snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
