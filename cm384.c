@@ -122,6 +122,9 @@ static void arena_free(arena *a) {
 /* Growable byte buffer (strings built at load time, never on the token path). */
 typedef struct { char *p; size_t n, cap; int oom; } strbuf;
 
+static void sb_putn(strbuf *b, const char *s, size_t n);
+static void sb_puts(strbuf *b, const char *s);
+
 static void sb_putn(strbuf *b, const char *s, size_t n) {
     if (b->oom) return;
     if (b->n + n + 1 > b->cap) {
@@ -135,6 +138,7 @@ static void sb_putn(strbuf *b, const char *s, size_t n) {
     b->n += n;
     b->p[b->n] = 0;
 }
+
 static void sb_puts(strbuf *b, const char *s) { sb_putn(b, s, strlen(s)); }
 
 /* snprintf-convention copy of n bytes: returns n, writes at most cap-1 + NUL. */
@@ -516,39 +520,2343 @@ static int json_load_file(const char *path, arena *a, json *out) {
 /* ======================================================================== */
 /* 3. Tokenizer and chat format                                             */
 /* ======================================================================== */
-#ifdef CM384_HAVE_TOKENIZER
-#include "tok_section.c"
-#else
-/* placeholder until the tokenizer section lands */
-typedef struct tokenizer { int n; } tokenizer;
-static int tokenizer_load(tokenizer **out, const char *json_path, const char *cfg_path) {
-    (void)cfg_path; *out = NULL;
-    if (!file_exists(json_path)) return fail(CM384_E_IO, "%s: cannot open", json_path);
-    tokenizer *t = calloc(1, sizeof *t); if (!t) return CM384_E_NOMEM;
-    t->n = 1024; *out = t; return CM384_OK;
+/* DeepSeek's tokenizers are Hugging Face byte-level BPE tokenizers described
+ * by tokenizer.json.  Encoding reproduces what HF tokenizers (Rust) does, so
+ * the ids match it exactly:
+ *
+ *   1. added tokens ("<｜User｜>", BOS, ...) are cut out of the raw text,
+ *      leftmost-longest, before anything else looks at it;
+ *   2. the pre-tokenizer splits each remaining stretch into pieces with the
+ *      regexes of tokenizer.json, run by a small backtracking engine with
+ *      Oniguruma's semantics over Unicode 16 categories (unicode_data.h);
+ *   3. each piece's bytes become byte-level symbols (GPT-2's byte map);
+ *   4. BPE merges adjacent symbols, lowest merge rank first.
+ *
+ * Decoding maps every token back to its bytes and reads them as UTF-8,
+ * replacing invalid sequences as Rust's String::from_utf8_lossy does.
+ * A tokenizer is immutable after tokenizer_load(): an encode call keeps its
+ * scratch memory to itself, so any number of threads may share a tokenizer.
+ *
+ * Chat rendering reproduces DeepSeek-V3's Jinja chat template in C (no Jinja
+ * engine); see chat_render() near the end of this section. */
+
+#include "ggml_like/unicode_data.h"
+
+/* ---- 3a. UTF-8 and Unicode properties ----------------------------------- */
+
+#define UCAT_WS      0x20u        /* flag next to a category: White_Space        */
+#define TOK_BAD_BYTE 0x110000u    /* an invalid UTF-8 byte b is read as this + b */
+
+static int unicode_category(uint32_t cp) {
+    if (cp < 256) return unicode_latin1[cp] & 31;
+    if (cp > 0x10FFFF) return UCAT_Cn;
+    /* the last run starting at or before cp */
+    size_t lo = 0, hi = sizeof unicode_cat_runs / sizeof unicode_cat_runs[0];
+    while (hi - lo > 1) {
+        size_t mid = lo + (hi - lo) / 2;
+        if ((unicode_cat_runs[mid] >> 5) <= cp) lo = mid; else hi = mid;
+    }
+    return (int)(unicode_cat_runs[lo] & 31);
 }
-static void tokenizer_free(tokenizer *t) { free(t); }
-static int tokenizer_n_ids(const tokenizer *t) { return t->n; }
-static int tokenizer_bos(const tokenizer *t) { (void)t; return 0; }
-static int tokenizer_eos(const tokenizer *t) { (void)t; return 1; }
-static int tokenizer_encode(const tokenizer *t, const char *text, size_t len, int32_t *out, int cap, unsigned flags) {
-    (void)t; (void)text; (void)len; (void)out; (void)cap; (void)flags; return CM384_E_UNSUPPORTED;
+
+static int unicode_is_space(uint32_t cp) {
+    if (cp < 256) return (unicode_latin1[cp] & UCAT_WS) != 0;
+    for (size_t i = 0; i < sizeof unicode_white_space / sizeof unicode_white_space[0]; i++)
+        if (cp >= unicode_white_space[i][0] && cp <= unicode_white_space[i][1]) return 1;
+    return 0;
 }
+
+/* Category and White_Space bit of a code point, as the regex engine sees it. */
+static uint8_t unicode_props(uint32_t cp) {
+    if (cp < 256) return unicode_latin1[cp];
+    return (uint8_t)((unsigned)unicode_category(cp) | (unicode_is_space(cp) ? UCAT_WS : 0u));
+}
+
+#define UMASK(c) (1u << (c))
+#define UMASK_L  (UMASK(UCAT_Lu) | UMASK(UCAT_Ll) | UMASK(UCAT_Lt) | UMASK(UCAT_Lm) | UMASK(UCAT_Lo))
+#define UMASK_M  (UMASK(UCAT_Mn) | UMASK(UCAT_Mc) | UMASK(UCAT_Me))
+#define UMASK_N  (UMASK(UCAT_Nd) | UMASK(UCAT_Nl) | UMASK(UCAT_No))
+#define UMASK_P  (UMASK(UCAT_Pc) | UMASK(UCAT_Pd) | UMASK(UCAT_Ps) | UMASK(UCAT_Pe) | \
+                  UMASK(UCAT_Pi) | UMASK(UCAT_Pf) | UMASK(UCAT_Po))
+#define UMASK_S  (UMASK(UCAT_Sm) | UMASK(UCAT_Sc) | UMASK(UCAT_Sk) | UMASK(UCAT_So))
+#define UMASK_Z  (UMASK(UCAT_Zs) | UMASK(UCAT_Zl) | UMASK(UCAT_Zp))
+#define UMASK_C  (UMASK(UCAT_Cc) | UMASK(UCAT_Cf) | UMASK(UCAT_Cs) | UMASK(UCAT_Co) | UMASK(UCAT_Cn))
+#define UMASK_ALL ((1u << UCAT_COUNT) - 1)
+/* Oniguruma's word characters.  Its Unicode Word property is Alphabetic,
+ * Mark, Decimal_Number and Connector_Punctuation (Alphabetic here: L, Nl and
+ * the circled / squared Latin letters, the only Other_Alphabetic outside M).
+ * That is what \w means inside [...].  A bare \w, \W, \b or \B reads a
+ * ctype table instead, whose ISO-8859-1 part also counts the superscripts
+ * and fractions ² ³ ¹ ¼ ½ ¾ as word characters (both measured against
+ * tokenizers 0.23). */
+#define UMASK_WORD (UMASK_L | UMASK_M | UMASK(UCAT_Nd) | UMASK(UCAT_Nl) | UMASK(UCAT_Pc))
+static const uint32_t onig_latin1_word[8] = {
+    0, 0x03FF0000, 0x87FFFFFE, 0x07FFFFFE,    /* 0-9 A-Z _ a-z                 */
+    0, 0x762C0400, 0xFF7FFFFF, 0xFF7FFFFF,    /* ª ² ³ µ ¹ º ¼ ½ ¾ À-ÿ but × ÷ */
+};
+
+static int onig_is_word(uint32_t cp, uint8_t props, int ctype) {
+    if (ctype && cp < 256) return (onig_latin1_word[cp >> 5] >> (cp & 31)) & 1;
+    if ((cp >= 0x24B6 && cp <= 0x24E9) || (cp >= 0x1F130 && cp <= 0x1F189)) return 1;
+    return (UMASK_WORD >> (props & 31)) & 1;
+}
+
+/* How many bytes a UTF-8 sequence starting with b needs (0: b starts none). */
+static int utf8_need(uint8_t b) {
+    if (b < 0x80) return 1;
+    if (b >= 0xC2 && b <= 0xDF) return 2;
+    if (b >= 0xE0 && b <= 0xEF) return 3;
+    if (b >= 0xF0 && b <= 0xF4) return 4;
+    return 0;
+}
+
+/* May byte c follow the valid prefix s[0..np) (np >= 1)?  The second byte's
+ * range excludes overlong forms, surrogates and code points past U+10FFFF. */
+static int utf8_continues(const uint8_t *s, int np, uint8_t c) {
+    uint8_t lo = 0x80, hi = 0xBF;
+    if (np == 1) {
+        if (s[0] == 0xE0) lo = 0xA0;
+        if (s[0] == 0xED) hi = 0x9F;
+        if (s[0] == 0xF0) lo = 0x90;
+        if (s[0] == 0xF4) hi = 0x8F;
+    }
+    return c >= lo && c <= hi;
+}
+
+/* Decodes the UTF-8 sequence at s (n > 0 bytes left) into *cp and returns its
+ * length.  A byte that does not start a complete, valid sequence is returned
+ * alone as TOK_BAD_BYTE + byte, so that every input byte still reaches BPE. */
+static int utf8_decode(const uint8_t *s, size_t n, uint32_t *cp) {
+    int need = utf8_need(s[0]), k = 1;
+    if (need == 1) { *cp = s[0]; return 1; }
+    while (k < need && (size_t)k < n && utf8_continues(s, k, s[k])) k++;
+    if (need == 0 || k < need) { *cp = TOK_BAD_BYTE + s[0]; return 1; }
+    uint32_t v = s[0] & (0x7Fu >> need);
+    for (int i = 1; i < need; i++) v = (v << 6) | (s[i] & 0x3Fu);
+    *cp = v;
+    return need;
+}
+
+/* Lossy UTF-8 output, byte by byte, with Rust's from_utf8_lossy rule: each
+ * maximal prefix of a valid sequence that cannot be completed becomes one
+ * U+FFFD, and the byte that broke it is read again as a new start.  Used by
+ * whole-text decoding and by the streaming decoder (which keeps `pend`). */
+typedef struct {
+    char   *out;
+    size_t  cap, n;        /* n counts every byte produced, written or not */
+} tok_sink;
+
+static void sink_put(tok_sink *k, const char *s, size_t len) {
+    for (size_t i = 0; i < len; i++, k->n++)
+        if (k->n < k->cap) k->out[k->n] = s[i];
+}
+
+static const char utf8_fffd[3] = {(char)0xEF, (char)0xBF, (char)0xBD};
+
+/* Feeds one byte; pend/np hold an incomplete sequence (at most 3 bytes). */
+static void utf8_lossy_byte(tok_sink *k, uint8_t *pend, int *np, uint8_t c) {
+    if (*np > 0) {
+        if (utf8_continues(pend, *np, c)) {
+            pend[(*np)++] = c;
+            if (*np == utf8_need(pend[0])) { sink_put(k, (const char *)pend, (size_t)*np); *np = 0; }
+            return;
+        }
+        sink_put(k, utf8_fffd, 3);   /* the prefix can never complete */
+        *np = 0;
+    }
+    int need = utf8_need(c);
+    if (need == 1) sink_put(k, (const char *)&c, 1);
+    else if (need == 0) sink_put(k, utf8_fffd, 3);
+    else { pend[0] = c; *np = 1; }
+}
+
+/* ---- 3b. Regular expressions -------------------------------------------- */
+/* tokenizer.json's pre-tokenizers are regexes that HF runs with Oniguruma.
+ * This is a backtracking engine over code points with Oniguruma's (Ruby
+ * syntax) semantics for what tokenizer regexes use: literals and escapes,
+ * [...] classes with ranges, negation and \p{..} categories, \s \S \d \D \w
+ * \W \h \H, ., alternation (leftmost alternative first), groups, greedy, lazy
+ * and possessive ? * + {m,n}, (?=..) (?!..) (?>..), ^ $ \A \z \Z \b \B and
+ * the flags (?i) (ASCII case folding only) and (?m) (dot matches newline).
+ * Not supported (load fails with CM384_E_UNSUPPORTED): backreferences,
+ * lookbehind, script properties such as \p{Han}, nested classes, (?x).
+ *
+ * A pattern is parsed into a tree, then compiled into a small program for a
+ * backtracking VM; the VM's stack of choice points lives in the encode call's
+ * scratch memory. */
+
+enum { RX_CHAR, RX_CHARI, RX_CLASS, RX_ANY, RX_SPLIT, RX_JMP, RX_ASSERT, RX_LOOK, RX_NLOOK,
+       RX_ATOMIC, RX_SUBEND, RX_MARK, RX_EMPTYCHK, RX_MATCH };
+enum { RXA_BOL, RXA_EOL, RXA_BOS, RXA_EOS, RXA_EOS_NL, RXA_WORDB, RXA_NWORDB };
+
+typedef struct { int32_t op, x, y; } rx_inst;
+
+typedef struct {
+    uint32_t        ascii[4];   /* membership of U+0000..U+007F, negation applied */
+    uint32_t        cats;       /* categories included (UMASK bits)               */
+    uint8_t         ws, not_ws; /* \s or \S was among the items                   */
+    uint8_t         word, not_word;   /* \w or \W                                */
+    uint8_t         ctype;      /* a bare \w or \W: Oniguruma's ctype table      */
+    uint8_t         neg;        /* [^...]                                         */
+    int             n_ranges;
+    const uint32_t *ranges;     /* sorted, disjoint [lo, hi] pairs                */
+} rx_class;
+
+typedef struct {
+    rx_inst  *code;  int n_code;
+    rx_class *cls;   int n_cls;
+    int       n_slots;          /* loop-progress registers (see RX_MARK)           */
+} rx_prog;
+
+/* Is cp among the class's items (negation not applied)? */
+static int rx_class_items(const rx_class *c, uint32_t cp, uint8_t props) {
+    int in = (c->cats >> (props & 31)) & 1;
+    if (!in) in = (props & UCAT_WS) ? c->ws : c->not_ws;
+    if (!in && (c->word | c->not_word)) in = onig_is_word(cp, props, c->ctype) ? c->word : c->not_word;
+    if (!in && c->n_ranges) {
+        int lo = 0, hi = c->n_ranges - 1;
+        while (lo <= hi) {
+            int mid = (lo + hi) / 2;
+            if (cp < c->ranges[2 * mid]) hi = mid - 1;
+            else if (cp > c->ranges[2 * mid + 1]) lo = mid + 1;
+            else { in = 1; break; }
+        }
+    }
+    return in;
+}
+
+static int rx_class_has(const rx_class *c, uint32_t cp, uint8_t props) {
+    if (cp < 128) return (c->ascii[cp >> 5] >> (cp & 31)) & 1;
+    return rx_class_items(c, cp, props) ^ c->neg;
+}
+
+/* Parse tree. CAT and ALT chain their children through `next`. */
+enum { RN_EMPTY, RN_CHAR, RN_CLASS, RN_ANY, RN_CAT, RN_ALT, RN_REPEAT, RN_LOOK, RN_ATOMIC, RN_ASSERT };
+typedef struct {
+    int kind;
+    int a;            /* CHAR: code point; CLASS: index; ANY: dotall; LOOK: negated; ASSERT: RXA_ */
+    int fold;         /* CHAR: ASCII case-insensitive                                        */
+    int min, max;     /* REPEAT: max -1 = unbounded                                          */
+    int greedy, possessive;
+    int captured;     /* a capturing group's body (matters for what may repeat) */
+    int kid, next;
+} rx_node;
+
+/* A class being built. */
+typedef struct {
+    uint32_t *r; int n, cap;      /* [lo, hi] pairs, unsorted */
+    uint32_t  cats;
+    uint8_t   ws, not_ws, word, not_word, ctype, neg;
+} rx_cbuild;
+
+typedef struct {
+    const uint32_t *p; int n, i;          /* the pattern as code points  */
+    rx_node   *nodes; int n_nodes, cap_nodes;
+    rx_cbuild *cls;   int n_cls, cap_cls;
+    int        fold, dotall, depth;
+    const char *err;  int err_status;
+} rx_parser;
+
+#define RX_MAX_NODES  (1 << 18)
+#define RX_MAX_CODE   (1 << 20)
+#define RX_MAX_REPEAT 1000
+
+static int rx_fail(rx_parser *ps, int status, const char *what) {
+    if (!ps->err) { ps->err = what; ps->err_status = status; }
+    return -1;
+}
+
+static int rx_new(rx_parser *ps, int kind) {
+    if (ps->n_nodes == ps->cap_nodes) {
+        if (ps->cap_nodes >= RX_MAX_NODES) return rx_fail(ps, CM384_E_UNSUPPORTED, "pattern too large");
+        int cap = ps->cap_nodes ? ps->cap_nodes * 2 : 64;
+        rx_node *nn = realloc(ps->nodes, (size_t)cap * sizeof *nn);
+        if (!nn) return rx_fail(ps, CM384_E_NOMEM, "out of memory");
+        ps->nodes = nn; ps->cap_nodes = cap;
+    }
+    rx_node *nd = &ps->nodes[ps->n_nodes];
+    memset(nd, 0, sizeof *nd);
+    nd->kind = kind; nd->kid = nd->next = -1;
+    return ps->n_nodes++;
+}
+
+static int rx_new_class(rx_parser *ps) {
+    if (ps->n_cls == ps->cap_cls) {
+        int cap = ps->cap_cls ? ps->cap_cls * 2 : 16;
+        rx_cbuild *nc = realloc(ps->cls, (size_t)cap * sizeof *nc);
+        if (!nc) return rx_fail(ps, CM384_E_NOMEM, "out of memory");
+        ps->cls = nc; ps->cap_cls = cap;
+    }
+    memset(&ps->cls[ps->n_cls], 0, sizeof ps->cls[0]);
+    return ps->n_cls++;
+}
+
+static int cb_range(rx_parser *ps, rx_cbuild *c, uint32_t lo, uint32_t hi) {
+    if (c->n == c->cap) {
+        int cap = c->cap ? c->cap * 2 : 8;
+        uint32_t *nr = realloc(c->r, (size_t)cap * 2 * sizeof *nr);
+        if (!nr) return rx_fail(ps, CM384_E_NOMEM, "out of memory");
+        c->r = nr; c->cap = cap;
+    }
+    c->r[2 * c->n] = lo; c->r[2 * c->n + 1] = hi; c->n++;
+    return 0;
+}
+
+static uint32_t ascii_lower(uint32_t c) { return c >= 'A' && c <= 'Z' ? c + 32 : c; }
+
+/* Property names: general categories (one or two letters, or the long
+ * names), Any, and Space / White_Space.  Case, '_', ' ' and '-' are ignored,
+ * as Oniguruma does.  Returns 0 and fills *mask (or *ws) or -1 if unknown. */
+static int rx_property(const uint32_t *name, int n, uint32_t *mask, int *ws) {
+    static const struct { const char *name; uint32_t mask; } props[] = {
+        {"l", UMASK_L}, {"letter", UMASK_L}, {"lc", UMASK(UCAT_Lu) | UMASK(UCAT_Ll) | UMASK(UCAT_Lt)},
+        {"l&", UMASK(UCAT_Lu) | UMASK(UCAT_Ll) | UMASK(UCAT_Lt)},
+        {"casedletter", UMASK(UCAT_Lu) | UMASK(UCAT_Ll) | UMASK(UCAT_Lt)},
+        {"lu", UMASK(UCAT_Lu)}, {"uppercaseletter", UMASK(UCAT_Lu)},
+        {"ll", UMASK(UCAT_Ll)}, {"lowercaseletter", UMASK(UCAT_Ll)},
+        {"lt", UMASK(UCAT_Lt)}, {"titlecaseletter", UMASK(UCAT_Lt)},
+        {"lm", UMASK(UCAT_Lm)}, {"modifierletter", UMASK(UCAT_Lm)},
+        {"lo", UMASK(UCAT_Lo)}, {"otherletter", UMASK(UCAT_Lo)},
+        {"m", UMASK_M}, {"mark", UMASK_M}, {"combiningmark", UMASK_M},
+        {"mn", UMASK(UCAT_Mn)}, {"nonspacingmark", UMASK(UCAT_Mn)},
+        {"mc", UMASK(UCAT_Mc)}, {"spacingmark", UMASK(UCAT_Mc)},
+        {"me", UMASK(UCAT_Me)}, {"enclosingmark", UMASK(UCAT_Me)},
+        {"n", UMASK_N}, {"number", UMASK_N},
+        {"nd", UMASK(UCAT_Nd)}, {"decimalnumber", UMASK(UCAT_Nd)},
+        {"nl", UMASK(UCAT_Nl)}, {"letternumber", UMASK(UCAT_Nl)},
+        {"no", UMASK(UCAT_No)}, {"othernumber", UMASK(UCAT_No)},
+        {"p", UMASK_P}, {"punctuation", UMASK_P},
+        {"pc", UMASK(UCAT_Pc)}, {"connectorpunctuation", UMASK(UCAT_Pc)},
+        {"pd", UMASK(UCAT_Pd)}, {"dashpunctuation", UMASK(UCAT_Pd)},
+        {"ps", UMASK(UCAT_Ps)}, {"openpunctuation", UMASK(UCAT_Ps)},
+        {"pe", UMASK(UCAT_Pe)}, {"closepunctuation", UMASK(UCAT_Pe)},
+        {"pi", UMASK(UCAT_Pi)}, {"initialpunctuation", UMASK(UCAT_Pi)},
+        {"pf", UMASK(UCAT_Pf)}, {"finalpunctuation", UMASK(UCAT_Pf)},
+        {"po", UMASK(UCAT_Po)}, {"otherpunctuation", UMASK(UCAT_Po)},
+        {"s", UMASK_S}, {"symbol", UMASK_S},
+        {"sm", UMASK(UCAT_Sm)}, {"mathsymbol", UMASK(UCAT_Sm)},
+        {"sc", UMASK(UCAT_Sc)}, {"currencysymbol", UMASK(UCAT_Sc)},
+        {"sk", UMASK(UCAT_Sk)}, {"modifiersymbol", UMASK(UCAT_Sk)},
+        {"so", UMASK(UCAT_So)}, {"othersymbol", UMASK(UCAT_So)},
+        {"z", UMASK_Z}, {"separator", UMASK_Z},
+        {"zs", UMASK(UCAT_Zs)}, {"spaceseparator", UMASK(UCAT_Zs)},
+        {"zl", UMASK(UCAT_Zl)}, {"lineseparator", UMASK(UCAT_Zl)},
+        {"zp", UMASK(UCAT_Zp)}, {"paragraphseparator", UMASK(UCAT_Zp)},
+        {"c", UMASK_C}, {"other", UMASK_C},
+        {"cc", UMASK(UCAT_Cc)}, {"control", UMASK(UCAT_Cc)},
+        {"cf", UMASK(UCAT_Cf)}, {"format", UMASK(UCAT_Cf)},
+        {"cs", UMASK(UCAT_Cs)}, {"surrogate", UMASK(UCAT_Cs)},
+        {"co", UMASK(UCAT_Co)}, {"privateuse", UMASK(UCAT_Co)},
+        {"cn", UMASK(UCAT_Cn)}, {"unassigned", UMASK(UCAT_Cn)},
+        {"any", UMASK_ALL},
+    };
+    char key[40];
+    int k = 0;
+    for (int i = 0; i < n; i++) {
+        uint32_t c = name[i];
+        if (c == '_' || c == ' ' || c == '-') continue;
+        if (c > 127 || k + 1 >= (int)sizeof key) return -1;
+        key[k++] = (char)ascii_lower(c);
+    }
+    key[k] = 0;
+    *ws = 0; *mask = 0;
+    if (!strcmp(key, "space") || !strcmp(key, "whitespace")) { *ws = 1; return 0; }
+    for (size_t i = 0; i < sizeof props / sizeof props[0]; i++)
+        if (!strcmp(key, props[i].name)) { *mask = props[i].mask; return 0; }
+    return -1;
+}
+
+/* Adds a class escape (\d \s \w \h and negations, \p{..} \P{..}) to c.
+ * ps->i is just past the escape letter. */
+static int rx_class_escape(rx_parser *ps, uint32_t letter, rx_cbuild *c) {
+    switch (letter) {
+    case 'd': c->cats |= UMASK(UCAT_Nd); return 0;
+    case 'D': c->cats |= UMASK_ALL & ~UMASK(UCAT_Nd); return 0;
+    case 'w': c->word = 1; return 0;
+    case 'W': c->not_word = 1; return 0;
+    case 's': c->ws = 1; return 0;
+    case 'S': c->not_ws = 1; return 0;
+    case 'h':
+        if (cb_range(ps, c, '0', '9') || cb_range(ps, c, 'a', 'f') || cb_range(ps, c, 'A', 'F')) return -1;
+        return 0;
+    case 'H':   /* everything but [0-9a-fA-F] */
+        if (cb_range(ps, c, 0, '0' - 1) || cb_range(ps, c, '9' + 1, 'A' - 1) ||
+            cb_range(ps, c, 'F' + 1, 'a' - 1) || cb_range(ps, c, 'f' + 1, 0x10FFFF)) return -1;
+        return 0;
+    }
+    /* \p{Name}, \p{^Name}, \P{Name} */
+    if (ps->i >= ps->n || ps->p[ps->i] != '{') return rx_fail(ps, CM384_E_FORMAT, "\\p needs {name}");
+    int start = ++ps->i, negate = letter == 'P';
+    while (ps->i < ps->n && ps->p[ps->i] != '}') ps->i++;
+    if (ps->i >= ps->n) return rx_fail(ps, CM384_E_FORMAT, "unterminated \\p{");
+    int end = ps->i++;
+    if (start < end && ps->p[start] == '^') { negate = !negate; start++; }
+    uint32_t mask; int ws;
+    if (rx_property(ps->p + start, end - start, &mask, &ws))
+        return rx_fail(ps, CM384_E_UNSUPPORTED, "unsupported \\p{} property (only general categories)");
+    if (ws) { if (negate) c->not_ws = 1; else c->ws = 1; }
+    else c->cats |= negate ? (UMASK_ALL & ~mask) : mask;
+    return 0;
+}
+
+static int rx_hex(rx_parser *ps, int min_digits, int max_digits, uint32_t *out) {
+    uint32_t v = 0; int k = 0;
+    while (k < max_digits && ps->i < ps->n && ps->p[ps->i] < 128 && hexval((int)ps->p[ps->i]) >= 0) {
+        v = v * 16 + (uint32_t)hexval((int)ps->p[ps->i]);
+        ps->i++; k++;
+    }
+    if (k < min_digits || v > 0x10FFFF) return rx_fail(ps, CM384_E_FORMAT, "bad hex escape");
+    *out = v;
+    return 0;
+}
+
+/* Parses the escape after a backslash (ps->i at the letter).  Returns 1 with
+ * a literal in *cp, 2 when a class escape was added to *c, 3 with an
+ * assertion kind in *cp (outside classes), or -1. */
+static int rx_escape(rx_parser *ps, int in_class, uint32_t *cp, rx_cbuild *c) {
+    if (ps->i >= ps->n) return rx_fail(ps, CM384_E_FORMAT, "pattern ends with a backslash");
+    uint32_t e = ps->p[ps->i++];
+    switch (e) {
+    case 't': *cp = '\t'; return 1;
+    case 'n': *cp = '\n'; return 1;
+    case 'r': *cp = '\r'; return 1;
+    case 'f': *cp = '\f'; return 1;
+    case 'v': *cp = '\v'; return 1;
+    case 'a': *cp = 7; return 1;
+    case 'e': *cp = 27; return 1;
+    case '0': {   /* \0, \0o, \0oo: octal */
+        uint32_t v = 0;
+        for (int k = 0; k < 2 && ps->i < ps->n && ps->p[ps->i] >= '0' && ps->p[ps->i] <= '7'; k++)
+            v = v * 8 + (ps->p[ps->i++] - '0');
+        *cp = v; return 1;
+    }
+    case 'x':
+        if (ps->i < ps->n && ps->p[ps->i] == '{') {
+            ps->i++;
+            if (rx_hex(ps, 1, 8, cp)) return -1;
+            if (ps->i >= ps->n || ps->p[ps->i] != '}') return rx_fail(ps, CM384_E_FORMAT, "bad \\x{} escape");
+            ps->i++;
+            return 1;
+        }
+        return rx_hex(ps, 1, 2, cp) ? -1 : 1;
+    case 'u': return rx_hex(ps, 4, 4, cp) ? -1 : 1;
+    case 'd': case 'D': case 'w': case 'W': case 's': case 'S': case 'h': case 'H': case 'p': case 'P':
+        return rx_class_escape(ps, e, c) ? -1 : 2;
+    case 'b':
+        if (in_class) { *cp = 8; return 1; }
+        *cp = RXA_WORDB; return 3;
+    }
+    if (!in_class) {
+        switch (e) {
+        case 'B': *cp = RXA_NWORDB; return 3;
+        case 'A': *cp = RXA_BOS; return 3;
+        case 'z': *cp = RXA_EOS; return 3;
+        case 'Z': *cp = RXA_EOS_NL; return 3;
+        }
+    }
+    if ((e >= 'a' && e <= 'z') || (e >= 'A' && e <= 'Z') || (e >= '1' && e <= '9'))
+        return rx_fail(ps, CM384_E_UNSUPPORTED, "unsupported escape (backreference, \\R, \\X, \\K, \\G...)");
+    *cp = e;   /* an escaped punctuation character or any other: itself */
+    return 1;
+}
+
+/* [...] after the '['. */
+static int rx_parse_class(rx_parser *ps) {
+    int ci = rx_new_class(ps);
+    if (ci < 0) return -1;
+    rx_cbuild *c = &ps->cls[ci];
+    if (ps->i < ps->n && ps->p[ps->i] == '^') { c->neg = 1; ps->i++; }
+    int first = 1;
+    for (;;) {
+        if (ps->i >= ps->n) return rx_fail(ps, CM384_E_FORMAT, "unterminated [ class");
+        uint32_t ch = ps->p[ps->i];
+        if (ch == ']' && !first) { ps->i++; break; }
+        first = 0;
+        if (ch == '[') return rx_fail(ps, CM384_E_UNSUPPORTED, "nested [ ] sets and [: :] are not supported");
+        if (ch == '&' && ps->i + 1 < ps->n && ps->p[ps->i + 1] == '&')
+            return rx_fail(ps, CM384_E_UNSUPPORTED, "class intersection && is not supported");
+        uint32_t lo;
+        ps->i++;
+        if (ch == '\\') {
+            int r = rx_escape(ps, 1, &lo, &ps->cls[ci]);
+            c = &ps->cls[ci];
+            if (r < 0) return -1;
+            if (r == 2) continue;
+        } else lo = ch;
+        /* a range lo-hi, unless '-' is last */
+        if (ps->i + 1 < ps->n && ps->p[ps->i] == '-' && ps->p[ps->i + 1] != ']') {
+            ps->i++;
+            uint32_t hi = ps->p[ps->i++];
+            if (hi == '\\') {
+                int r = rx_escape(ps, 1, &hi, &ps->cls[ci]);
+                c = &ps->cls[ci];
+                if (r < 0) return -1;
+                if (r != 1) return rx_fail(ps, CM384_E_FORMAT, "bad range in class");
+            }
+            if (hi < lo) return rx_fail(ps, CM384_E_FORMAT, "empty range in class");
+            if (cb_range(ps, c, lo, hi)) return -1;
+        } else if (cb_range(ps, c, lo, lo)) return -1;
+    }
+    /* (?i): add the other case of ASCII letters */
+    if (ps->fold) {
+        int n = c->n;
+        for (int k = 0; k < n; k++) {
+            uint32_t lo = c->r[2 * k], hi = c->r[2 * k + 1];
+            uint32_t a = lo > 'A' ? lo : 'A', b = hi < 'Z' ? hi : 'Z';
+            if (a <= b && cb_range(ps, &ps->cls[ci], a + 32, b + 32)) return -1;
+            a = lo > 'a' ? lo : 'a'; b = hi < 'z' ? hi : 'z';
+            if (a <= b && cb_range(ps, &ps->cls[ci], a - 32, b - 32)) return -1;
+            c = &ps->cls[ci];
+        }
+    }
+    int nd = rx_new(ps, RN_CLASS);
+    if (nd < 0) return -1;
+    ps->nodes[nd].a = ci;
+    return nd;
+}
+
+static int rx_parse_alt(rx_parser *ps);
+
+/* A class node holding one escape such as \s or \p{L}. */
+static int rx_escape_node(rx_parser *ps) {
+    int ci = rx_new_class(ps);
+    if (ci < 0) return -1;
+    uint32_t cp;
+    ps->cls[ci].ctype = 1;   /* a bare \w reads Oniguruma's ctype table */
+    int r = rx_escape(ps, 0, &cp, &ps->cls[ci]);
+    if (r < 0) return -1;
+    if (r == 2) {
+        int nd = rx_new(ps, RN_CLASS);
+        if (nd < 0) return -1;
+        ps->nodes[nd].a = ci;
+        return nd;
+    }
+    ps->n_cls--;   /* not a class after all */
+    int nd = rx_new(ps, r == 3 ? RN_ASSERT : RN_CHAR);
+    if (nd < 0) return -1;
+    ps->nodes[nd].a = (int)cp;
+    ps->nodes[nd].fold = ps->fold;
+    return nd;
+}
+
+/* Reads "(?flags" up to ':' or ')' and applies them to ps; *colon tells which. */
+static int rx_flags(rx_parser *ps, int *colon) {
+    int on = 1;
+    for (;;) {
+        if (ps->i >= ps->n) return rx_fail(ps, CM384_E_FORMAT, "unterminated (? group");
+        uint32_t c = ps->p[ps->i++];
+        if (c == ':') { *colon = 1; return 0; }
+        if (c == ')') { *colon = 0; return 0; }
+        if (c == '-') on = 0;
+        else if (c == 'i') ps->fold = on;
+        else if (c == 'm') ps->dotall = on;
+        else return rx_fail(ps, CM384_E_UNSUPPORTED, "unsupported (?flag) (only i and m)");
+    }
+}
+
+static int rx_parse_group(rx_parser *ps) {   /* after '(' */
+    int kind = -1, neg = 0, captured = 1;
+    int save_fold = ps->fold, save_dotall = ps->dotall;
+    if (ps->i < ps->n && ps->p[ps->i] == '?') {
+        ps->i++;
+        uint32_t c = ps->i < ps->n ? ps->p[ps->i] : 0;
+        captured = 0;
+        if (c == ':') ps->i++;
+        else if (c == '=' || c == '!') { ps->i++; kind = RN_LOOK; neg = c == '!'; }
+        else if (c == '>') { ps->i++; kind = RN_ATOMIC; }
+        else if (c == '#') {  /* comment */
+            while (ps->i < ps->n && ps->p[ps->i] != ')') ps->i++;
+            if (ps->i >= ps->n) return rx_fail(ps, CM384_E_FORMAT, "unterminated comment");
+            ps->i++;
+            return rx_new(ps, RN_EMPTY);
+        } else if (c == '<' || c == '\'' || c == 'P') {
+            if (c == 'P') ps->i++;
+            uint32_t open = ps->i < ps->n ? ps->p[ps->i] : 0;
+            if (open == '<' && ps->i + 1 < ps->n && (ps->p[ps->i + 1] == '=' || ps->p[ps->i + 1] == '!'))
+                return rx_fail(ps, CM384_E_UNSUPPORTED, "lookbehind is not supported");
+            uint32_t close = open == '<' ? '>' : '\'';
+            if (open != '<' && open != '\'') return rx_fail(ps, CM384_E_FORMAT, "bad group name");
+            while (ps->i < ps->n && ps->p[ps->i] != close) ps->i++;   /* a named group groups */
+            if (ps->i >= ps->n) return rx_fail(ps, CM384_E_FORMAT, "unterminated group name");
+            ps->i++;
+            captured = 1;
+        } else {
+            int colon;
+            if (rx_flags(ps, &colon)) return -1;
+            if (!colon) {
+                /* (?i) alone: Oniguruma applies it to the rest of the enclosing
+                 * group, alternatives included: a(?i)b|c is a(?i:b|c). */
+                if (++ps->depth > 200) return rx_fail(ps, CM384_E_UNSUPPORTED, "pattern nested too deep");
+                int sub = rx_parse_alt(ps);
+                ps->depth--;
+                ps->fold = save_fold; ps->dotall = save_dotall;
+                return sub;
+            }
+        }
+    }
+    if (++ps->depth > 200) return rx_fail(ps, CM384_E_UNSUPPORTED, "pattern nested too deep");
+    int sub = rx_parse_alt(ps);
+    ps->depth--;
+    ps->fold = save_fold; ps->dotall = save_dotall;
+    if (sub < 0) return -1;
+    if (ps->i >= ps->n || ps->p[ps->i] != ')') return rx_fail(ps, CM384_E_FORMAT, "missing )");
+    ps->i++;
+    if (kind < 0) {
+        if (captured) ps->nodes[sub].captured = 1;
+        return sub;
+    }
+    int nd = rx_new(ps, kind);
+    if (nd < 0) return -1;
+    ps->nodes[nd].kid = sub;
+    ps->nodes[nd].a = neg;
+    return nd;
+}
+
+/* {m}, {m,}, {m,n}, {,n} at ps->i (on the '{'); 0 if it is not one (then '{'
+ * is a literal, as in Oniguruma). */
+static int rx_interval(rx_parser *ps, int *min, int *max) {
+    int i = ps->i + 1, lo = -1, hi = -1;
+    long v = 0; int digits = 0;
+    while (i < ps->n && ps->p[i] >= '0' && ps->p[i] <= '9') { v = v * 10 + (ps->p[i++] - '0'); digits++; if (v > 100000) v = 100000; }
+    if (digits) lo = (int)v;
+    if (i < ps->n && ps->p[i] == '}') {
+        if (!digits) return 0;
+        hi = lo;
+    } else if (i < ps->n && ps->p[i] == ',') {
+        i++; v = 0; digits = 0;
+        while (i < ps->n && ps->p[i] >= '0' && ps->p[i] <= '9') { v = v * 10 + (ps->p[i++] - '0'); digits++; if (v > 100000) v = 100000; }
+        if (i >= ps->n || ps->p[i] != '}') return 0;
+        if (lo < 0 && !digits) return 0;
+        if (lo < 0) lo = 0;
+        hi = digits ? (int)v : -1;
+    } else return 0;
+    ps->i = i + 1;
+    *min = lo; *max = hi;
+    return 1;
+}
+
+/* Oniguruma refuses to repeat an anchor or lookaround, or an alternation
+ * with such a branch, seen through (?:...) but not through (...) or (?>...);
+ * a sequence of several items is always accepted. */
+static int rx_bad_target(const rx_node *nodes, int i) {
+    const rx_node *nd = &nodes[i];
+    if (nd->captured) return 0;
+    switch (nd->kind) {
+    case RN_ASSERT: case RN_LOOK: return 1;
+    case RN_CAT: return nd->kid >= 0 && nodes[nd->kid].next < 0 && rx_bad_target(nodes, nd->kid);
+    case RN_ALT:
+        for (int k = nd->kid; k >= 0; k = nodes[k].next) if (rx_bad_target(nodes, k)) return 1;
+        return 0;
+    default: return 0;
+    }
+}
+
+static int rx_parse_repeat(rx_parser *ps) {
+    int atom;
+    uint32_t c = ps->p[ps->i];
+    if (c == '(') { ps->i++; atom = rx_parse_group(ps); }
+    else if (c == '[') { ps->i++; atom = rx_parse_class(ps); }
+    else if (c == '\\') { ps->i++; atom = rx_escape_node(ps); }
+    else if (c == '.') {
+        ps->i++;
+        atom = rx_new(ps, RN_ANY);
+        if (atom >= 0) ps->nodes[atom].a = ps->dotall;
+    } else if (c == '^' || c == '$') {
+        ps->i++;
+        atom = rx_new(ps, RN_ASSERT);
+        if (atom >= 0) ps->nodes[atom].a = c == '^' ? RXA_BOL : RXA_EOL;
+    } else if (c == '*' || c == '+' || c == '?') {
+        return rx_fail(ps, CM384_E_FORMAT, "target of repeat operator is not specified");
+    } else {
+        ps->i++;
+        atom = rx_new(ps, RN_CHAR);
+        if (atom >= 0) { ps->nodes[atom].a = (int)c; ps->nodes[atom].fold = ps->fold; }
+    }
+    if (atom < 0) return -1;
+    for (int stacked = 0;; stacked++) {
+        if (ps->i >= ps->n) break;
+        if (stacked == 4) return rx_fail(ps, CM384_E_UNSUPPORTED, "too many stacked quantifiers");
+        c = ps->p[ps->i];
+        int min, max, interval = 0;
+        if (c == '*') { min = 0; max = -1; ps->i++; }
+        else if (c == '+') { min = 1; max = -1; ps->i++; }
+        else if (c == '?') { min = 0; max = 1; ps->i++; }
+        else if (c == '{' && rx_interval(ps, &min, &max)) interval = 1;
+        else break;
+        if (rx_bad_target(ps->nodes, atom)) return rx_fail(ps, CM384_E_FORMAT, "target of repeat operator is invalid");
+        if (min > RX_MAX_REPEAT || max > RX_MAX_REPEAT)
+            return rx_fail(ps, CM384_E_UNSUPPORTED, "repeat count too large");
+        if (max >= 0 && max < min) return rx_fail(ps, CM384_E_FORMAT, "bad repeat range");
+        int nd = rx_new(ps, RN_REPEAT);
+        if (nd < 0) return -1;
+        rx_node *r = &ps->nodes[nd];
+        r->kid = atom; r->min = min; r->max = max; r->greedy = 1;
+        if (ps->i < ps->n && ps->p[ps->i] == '?') { r->greedy = 0; ps->i++; }
+        else if (!interval && ps->i < ps->n && ps->p[ps->i] == '+') { r->possessive = 1; ps->i++; }
+        atom = nd;
+    }
+    return atom;
+}
+
+static int rx_parse_cat(rx_parser *ps) {
+    int cat = rx_new(ps, RN_CAT), last = -1;
+    if (cat < 0) return -1;
+    while (ps->i < ps->n && ps->p[ps->i] != '|' && ps->p[ps->i] != ')') {
+        int kid = rx_parse_repeat(ps);
+        if (kid < 0) return -1;
+        if (last < 0) ps->nodes[cat].kid = kid; else ps->nodes[last].next = kid;
+        last = kid;
+    }
+    return cat;
+}
+
+static int rx_parse_alt(rx_parser *ps) {
+    int first = rx_parse_cat(ps);
+    if (first < 0 || ps->i >= ps->n || ps->p[ps->i] != '|') return first;
+    int alt = rx_new(ps, RN_ALT), last = first;
+    if (alt < 0) return -1;
+    ps->nodes[alt].kid = first;
+    while (ps->i < ps->n && ps->p[ps->i] == '|') {
+        ps->i++;
+        int kid = rx_parse_cat(ps);
+        if (kid < 0) return -1;
+        ps->nodes[last].next = kid;
+        last = kid;
+    }
+    return alt;
+}
+
+/* Compiler: tree -> program. */
+typedef struct {
+    rx_parser *ps;
+    rx_inst   *code; int n, cap;
+    int        n_slots;
+} rx_compiler;
+
+static int rx_emit(rx_compiler *c, int op, int x, int y) {
+    if (c->n == c->cap) {
+        if (c->cap >= RX_MAX_CODE) return rx_fail(c->ps, CM384_E_UNSUPPORTED, "pattern too large");
+        int cap = c->cap ? c->cap * 2 : 64;
+        rx_inst *nc = realloc(c->code, (size_t)cap * sizeof *nc);
+        if (!nc) return rx_fail(c->ps, CM384_E_NOMEM, "out of memory");
+        c->code = nc; c->cap = cap;
+    }
+    c->code[c->n].op = op; c->code[c->n].x = x; c->code[c->n].y = y;
+    return c->n++;
+}
+
+/* Can the node match the empty string?  (Loops over such nodes need a
+ * progress check, or `(a*)*` would spin forever.) */
+static int rx_nullable(const rx_node *nodes, int i) {
+    const rx_node *nd = &nodes[i];
+    switch (nd->kind) {
+    case RN_CHAR: case RN_CLASS: case RN_ANY: return 0;
+    case RN_CAT:
+        for (int k = nd->kid; k >= 0; k = nodes[k].next) if (!rx_nullable(nodes, k)) return 0;
+        return 1;
+    case RN_ALT:
+        for (int k = nd->kid; k >= 0; k = nodes[k].next) if (rx_nullable(nodes, k)) return 1;
+        return 0;
+    case RN_REPEAT: return nd->min == 0 || rx_nullable(nodes, nd->kid);
+    case RN_ATOMIC: return rx_nullable(nodes, nd->kid);
+    default: return 1;   /* empty, assertions, lookahead */
+    }
+}
+
+static int rx_gen(rx_compiler *c, int i);
+
+static int rx_gen_repeat(rx_compiler *c, const rx_node *nd) {
+    for (int k = 0; k < nd->min; k++) if (rx_gen(c, nd->kid)) return -1;
+    if (nd->max < 0) {
+        int nullable = rx_nullable(c->ps->nodes, nd->kid);
+        int slot = nullable ? c->n_slots++ : -1, chk = -1;
+        int loop = rx_emit(c, RX_SPLIT, 0, 0);
+        if (loop < 0) return -1;
+        int body = c->n;
+        if (nullable && rx_emit(c, RX_MARK, slot, 0) < 0) return -1;
+        if (rx_gen(c, nd->kid)) return -1;
+        if (nullable && (chk = rx_emit(c, RX_EMPTYCHK, slot, 0)) < 0) return -1;
+        if (rx_emit(c, RX_JMP, loop, 0) < 0) return -1;
+        int exit = c->n;
+        c->code[loop].x = nd->greedy ? body : exit;
+        c->code[loop].y = nd->greedy ? exit : body;
+        if (chk >= 0) c->code[chk].y = exit;
+        return 0;
+    }
+    /* optional copies e(e(e)?)?: every "skip" goes to the end */
+    int k = nd->max - nd->min;
+    int *splits = k ? malloc((size_t)k * sizeof *splits) : NULL;
+    if (k && !splits) return rx_fail(c->ps, CM384_E_NOMEM, "out of memory");
+    for (int j = 0; j < k; j++) {
+        if ((splits[j] = rx_emit(c, RX_SPLIT, 0, 0)) < 0 || rx_gen(c, nd->kid)) { free(splits); return -1; }
+    }
+    int end = c->n;
+    for (int j = 0; j < k; j++) {
+        c->code[splits[j]].x = nd->greedy ? splits[j] + 1 : end;
+        c->code[splits[j]].y = nd->greedy ? end : splits[j] + 1;
+    }
+    free(splits);
+    return 0;
+}
+
+static int rx_gen(rx_compiler *c, int i) {
+    const rx_node nd = c->ps->nodes[i];   /* a copy: nodes do not move, but stay safe */
+    switch (nd.kind) {
+    case RN_EMPTY: return 0;
+    case RN_CHAR: {
+        uint32_t lc = ascii_lower((uint32_t)nd.a);
+        int folds = nd.fold && lc >= 'a' && lc <= 'z';
+        return rx_emit(c, folds ? RX_CHARI : RX_CHAR, folds ? (int)lc : nd.a, 0) < 0 ? -1 : 0;
+    }
+    case RN_CLASS: return rx_emit(c, RX_CLASS, nd.a, 0) < 0 ? -1 : 0;
+    case RN_ANY: return rx_emit(c, RX_ANY, nd.a, 0) < 0 ? -1 : 0;
+    case RN_ASSERT: return rx_emit(c, RX_ASSERT, nd.a, 0) < 0 ? -1 : 0;
+    case RN_CAT:
+        for (int k = nd.kid; k >= 0; k = c->ps->nodes[k].next) if (rx_gen(c, k)) return -1;
+        return 0;
+    case RN_ALT: {
+        /* SPLIT a1, next; a1; JMP end; next: SPLIT a2, next2; ... ak; end: */
+        int jumps = -1;   /* chain of JMPs to patch, linked through .x */
+        for (int k = nd.kid; k >= 0; k = c->ps->nodes[k].next) {
+            int last = c->ps->nodes[k].next < 0;
+            int split = -1;
+            if (!last && (split = rx_emit(c, RX_SPLIT, 0, 0)) < 0) return -1;
+            if (split >= 0) c->code[split].x = c->n;
+            if (rx_gen(c, k)) return -1;
+            if (!last) {
+                int j = rx_emit(c, RX_JMP, jumps, 0);
+                if (j < 0) return -1;
+                jumps = j;
+                c->code[split].y = c->n;
+            }
+        }
+        while (jumps >= 0) { int nx = c->code[jumps].x; c->code[jumps].x = c->n; jumps = nx; }
+        return 0;
+    }
+    case RN_REPEAT:
+        if (nd.possessive) {   /* a*+ is (?>a*) */
+            int at = rx_emit(c, RX_ATOMIC, 0, 0);
+            rx_node plain = nd;
+            plain.possessive = 0;
+            if (at < 0 || rx_gen_repeat(c, &plain) || rx_emit(c, RX_SUBEND, 0, 0) < 0) return -1;
+            c->code[at].x = c->n;
+            return 0;
+        }
+        return rx_gen_repeat(c, &nd);
+    case RN_LOOK: case RN_ATOMIC: {
+        int op = nd.kind == RN_ATOMIC ? RX_ATOMIC : nd.a ? RX_NLOOK : RX_LOOK;
+        int at = rx_emit(c, op, 0, 0);
+        if (at < 0 || rx_gen(c, nd.kid) || rx_emit(c, RX_SUBEND, 0, 0) < 0) return -1;
+        c->code[at].x = c->n;
+        return 0;
+    }
+    }
+    return rx_fail(c->ps, CM384_E_INTERNAL, "bad regex node");
+}
+
+static int range_cmp(const void *a, const void *b) {
+    uint32_t x = *(const uint32_t *)a, y = *(const uint32_t *)b;
+    return x < y ? -1 : x > y;
+}
+
+/* Compiles pattern[0..len) (UTF-8) into *out, allocated in a.  On failure
+ * returns a status and sets *err to a static description. */
+static int rx_compile(const char *pattern, size_t len, arena *a, rx_prog *out, const char **err) {
+    rx_parser ps = {0};
+    rx_compiler cc = {0};
+    int status = CM384_OK;
+    memset(out, 0, sizeof *out);
+    uint32_t *cps = malloc((len + 1) * sizeof *cps);
+    if (!cps) { *err = "out of memory"; return CM384_E_NOMEM; }
+    int n = 0;
+    for (size_t i = 0; i < len;) {
+        uint32_t cp;
+        i += (size_t)utf8_decode((const uint8_t *)pattern + i, len - i, &cp);
+        if (cp >= TOK_BAD_BYTE) { free(cps); *err = "pattern is not valid UTF-8"; return CM384_E_FORMAT; }
+        cps[n++] = cp;
+    }
+    ps.p = cps; ps.n = n;
+    int root = rx_parse_alt(&ps);
+    if (root >= 0 && ps.i < ps.n) root = rx_fail(&ps, CM384_E_FORMAT, "unmatched )");
+    cc.ps = &ps;
+    if (root < 0 || rx_gen(&cc, root) || rx_emit(&cc, RX_MATCH, 0, 0) < 0) {
+        status = ps.err_status ? ps.err_status : CM384_E_FORMAT;
+        *err = ps.err ? ps.err : "bad pattern";
+        goto done;
+    }
+    /* freeze the program and its classes into the arena */
+    out->code = arena_alloc(a, (size_t)cc.n * sizeof *out->code);
+    out->cls = arena_alloc(a, (size_t)(ps.n_cls ? ps.n_cls : 1) * sizeof *out->cls);
+    if (!out->code || !out->cls) { status = CM384_E_NOMEM; *err = "out of memory"; goto done; }
+    memcpy(out->code, cc.code, (size_t)cc.n * sizeof *out->code);
+    out->n_code = cc.n;
+    out->n_slots = cc.n_slots;
+    for (int k = 0; k < ps.n_cls; k++) {
+        rx_cbuild *b = &ps.cls[k];
+        rx_class *c = &out->cls[k];
+        memset(c, 0, sizeof *c);
+        /* sort ranges and merge overlaps, for the binary search */
+        if (b->n > 1) qsort(b->r, (size_t)b->n, 2 * sizeof *b->r, range_cmp);
+        int m = 0;
+        for (int i = 0; i < b->n; i++) {
+            if (m > 0 && b->r[2 * i] <= b->r[2 * (m - 1) + 1] + 1) {
+                if (b->r[2 * i + 1] > b->r[2 * (m - 1) + 1]) b->r[2 * (m - 1) + 1] = b->r[2 * i + 1];
+            } else { b->r[2 * m] = b->r[2 * i]; b->r[2 * m + 1] = b->r[2 * i + 1]; m++; }
+        }
+        uint32_t *r = NULL;
+        if (m) {
+            r = arena_alloc(a, (size_t)m * 2 * sizeof *r);
+            if (!r) { status = CM384_E_NOMEM; *err = "out of memory"; goto done; }
+            memcpy(r, b->r, (size_t)m * 2 * sizeof *r);
+        }
+        c->cats = b->cats; c->ws = b->ws; c->not_ws = b->not_ws; c->neg = b->neg;
+        c->word = b->word; c->not_word = b->not_word; c->ctype = b->ctype;
+        c->ranges = r; c->n_ranges = m;
+        for (uint32_t ch = 0; ch < 128; ch++)   /* ASCII membership, negation included */
+            if (rx_class_items(c, ch, unicode_latin1[ch]) ^ c->neg) c->ascii[ch >> 5] |= 1u << (ch & 31);
+    }
+    out->n_cls = ps.n_cls;
+done:
+    for (int k = 0; k < ps.n_cls; k++) free(ps.cls[k].r);
+    free(ps.cls);
+    free(ps.nodes);
+    free(cc.code);
+    free(cps);
+    return status;
+}
+
+/* The VM.  A choice point is (pc, pos); pc < 0 marks "restore slot -pc-1 to
+ * pos" so that loop-progress registers are undone on backtracking. */
+typedef struct { int32_t pc, pos; } rx_frame;
+
+typedef struct {
+    const uint32_t *cp;       /* the text being matched, [0, n)          */
+    const uint8_t  *props;    /* unicode_props() of each code point      */
+    int             n;
+    rx_frame       *stack;  size_t sp, cap;
+    int            *slots;  int n_slots;
+    long            budget;   /* backtracks left in this match attempt   */
+    int             oom;
+} rx_vm;
+
+/* Oniguruma gives up a match attempt after this many backtracks; so do we
+ * (the attempt then fails), so that a hostile pattern cannot hang encode. */
+#define RX_BACKTRACK_LIMIT 10000000L
+
+static int rx_push(rx_vm *vm, int pc, int pos) {
+    if (vm->sp == vm->cap) {
+        size_t cap = vm->cap ? vm->cap * 2 : 256;
+        rx_frame *ns = realloc(vm->stack, cap * sizeof *ns);
+        if (!ns) { vm->oom = 1; return -1; }
+        vm->stack = ns; vm->cap = cap;
+    }
+    vm->stack[vm->sp].pc = pc; vm->stack[vm->sp].pos = pos;
+    vm->sp++;
+    return 0;
+}
+
+static int rx_is_word(const rx_vm *vm, int pos) {
+    return pos >= 0 && pos < vm->n && onig_is_word(vm->cp[pos], vm->props[pos], 1);
+}
+
+/* Runs the program from pc at pos; returns the end of the first match in
+ * priority order, or -1.  Sub-matches (lookahead, atomic groups) recurse and
+ * end at their RX_SUBEND; their choice points are dropped when they return,
+ * which makes them atomic as in Oniguruma. */
+static int rx_run(const rx_prog *p, rx_vm *vm, int pc, int pos, int depth) {
+    size_t base = vm->sp;
+    if (depth > 64) return -1;
+    for (;;) {
+        const rx_inst *in = &p->code[pc];
+        switch (in->op) {
+        case RX_CHAR:
+            if (pos < vm->n && vm->cp[pos] == (uint32_t)in->x) { pos++; pc++; continue; }
+            goto fail;
+        case RX_CHARI:
+            if (pos < vm->n && ascii_lower(vm->cp[pos]) == (uint32_t)in->x) { pos++; pc++; continue; }
+            goto fail;
+        case RX_CLASS:
+            if (pos < vm->n && rx_class_has(&p->cls[in->x], vm->cp[pos], vm->props[pos])) { pos++; pc++; continue; }
+            goto fail;
+        case RX_ANY:
+            if (pos < vm->n && (in->x || vm->cp[pos] != '\n')) { pos++; pc++; continue; }
+            goto fail;
+        case RX_SPLIT:
+            if (rx_push(vm, in->y, pos)) goto fail;
+            pc = in->x;
+            continue;
+        case RX_JMP:
+            pc = in->x;
+            continue;
+        case RX_ASSERT: {
+            int ok = 0;
+            switch (in->x) {
+            /* Oniguruma's ^ never matches at the very end, even after a newline */
+            case RXA_BOL: ok = pos == 0 || (vm->cp[pos - 1] == '\n' && pos < vm->n); break;
+            case RXA_EOL: ok = pos == vm->n || vm->cp[pos] == '\n'; break;
+            case RXA_BOS: ok = pos == 0; break;
+            case RXA_EOS: ok = pos == vm->n; break;
+            case RXA_EOS_NL: ok = pos == vm->n || (pos == vm->n - 1 && vm->cp[pos] == '\n'); break;
+            case RXA_WORDB: ok = rx_is_word(vm, pos - 1) != rx_is_word(vm, pos); break;
+            case RXA_NWORDB: ok = rx_is_word(vm, pos - 1) == rx_is_word(vm, pos); break;
+            }
+            if (!ok) goto fail;
+            pc++;
+            continue;
+        }
+        case RX_LOOK: case RX_NLOOK: {
+            int r = rx_run(p, vm, pc + 1, pos, depth + 1);
+            if (vm->oom || vm->budget < 0) goto fail;
+            if ((r >= 0) != (in->op == RX_LOOK)) goto fail;
+            pc = in->x;
+            continue;
+        }
+        case RX_ATOMIC: {
+            int r = rx_run(p, vm, pc + 1, pos, depth + 1);
+            if (r < 0) goto fail;
+            pos = r;
+            pc = in->x;
+            continue;
+        }
+        case RX_MARK:
+            if (rx_push(vm, -in->x - 1, vm->slots[in->x])) goto fail;
+            vm->slots[in->x] = pos;
+            pc++;
+            continue;
+        case RX_EMPTYCHK:
+            pc = vm->slots[in->x] == pos ? in->y : pc + 1;   /* no progress: leave the loop */
+            continue;
+        case RX_SUBEND: case RX_MATCH:
+            /* restore registers saved above base, then drop the choice points */
+            while (vm->sp > base) {
+                rx_frame f = vm->stack[--vm->sp];
+                if (f.pc < 0) vm->slots[-f.pc - 1] = f.pos;
+            }
+            return pos;
+        }
+    fail:
+        for (;;) {
+            /* out of choices, out of memory, or out of budget: the attempt fails */
+            if (vm->sp == base || vm->oom || vm->budget < 0) {
+                while (vm->sp > base) {
+                    rx_frame f = vm->stack[--vm->sp];
+                    if (f.pc < 0) vm->slots[-f.pc - 1] = f.pos;
+                }
+                return -1;
+            }
+            rx_frame f = vm->stack[--vm->sp];
+            if (f.pc < 0) { vm->slots[-f.pc - 1] = f.pos; continue; }
+            vm->budget--;
+            pc = f.pc; pos = f.pos;
+            break;
+        }
+    }
+}
+
+/* Leftmost match at or after `from`: returns 1 and [*ms, *me), or 0. */
+static int rx_search(const rx_prog *p, rx_vm *vm, int from, int *ms, int *me) {
+    if (vm->n_slots < p->n_slots) {
+        int *ns = realloc(vm->slots, (size_t)p->n_slots * sizeof *ns);
+        if (!ns) { vm->oom = 1; return 0; }
+        for (int i = vm->n_slots; i < p->n_slots; i++) ns[i] = -1;
+        vm->slots = ns; vm->n_slots = p->n_slots;
+    }
+    for (int s = from; s <= vm->n; s++) {
+        /* cheap reject: a program that starts by consuming one class or char */
+        const rx_inst *in0 = &p->code[0];
+        if (s < vm->n) {
+            if (in0->op == RX_CLASS && !rx_class_has(&p->cls[in0->x], vm->cp[s], vm->props[s])) continue;
+            if (in0->op == RX_CHAR && vm->cp[s] != (uint32_t)in0->x) continue;
+        } else if (in0->op == RX_CLASS || in0->op == RX_CHAR) break;
+        vm->budget = RX_BACKTRACK_LIMIT;
+        int e = rx_run(p, vm, 0, s, 0);
+        if (vm->oom) return 0;
+        if (e >= 0) { *ms = s; *me = e; return 1; }
+    }
+    return 0;
+}
+
+/* ---- 3c. The tokenizer -------------------------------------------------- */
+
+typedef struct tokenizer tokenizer;
+
+/* One pre-tokenizer step of tokenizer.json ("Sequence"s are flattened). */
+enum { PT_SPLIT, PT_DIGITS, PT_BYTELEVEL };
+enum { SPLIT_ISOLATED, SPLIT_REMOVED, SPLIT_MERGED_PREV, SPLIT_MERGED_NEXT, SPLIT_CONTIGUOUS };
+
+typedef struct {
+    int       kind;
+    int       behavior, invert;      /* PT_SPLIT, PT_DIGITS                    */
+    int       is_regex;              /* PT_SPLIT: regex (rx) or string (lit)   */
+    rx_prog   rx;                    /* also ByteLevel's GPT-2 regex           */
+    uint32_t *lit; int n_lit;
+    int       individual_digits;     /* PT_DIGITS                              */
+    int       add_prefix_space, use_regex;   /* PT_BYTELEVEL                   */
+} pretok_step;
+
+/* A merge rule: the pair (a, b) of ids becomes id, with priority rank. */
+typedef struct { uint32_t a, b; int32_t rank, id; } bpe_merge;
+
+/* Byte trie of added-token contents; token = the id a content stands for. */
+typedef struct { int32_t child, sibling, token; uint8_t byte; } trie_node;
+
+/* Per-id flags.  An added token's lstrip / rstrip / single_word are those of
+ * the last added_tokens entry that got its id, as HF looks them up by id. */
+/* TOKF_BYTELEVEL: a model-vocab entry made only of byte-map characters (what
+ * ignore_merges may look a whole word up in). */
+enum { TOKF_EXISTS = 1, TOKF_SPECIAL = 2, TOKF_ADDED = 4, TOKF_BYTELEVEL = 8,
+       TOKF_LSTRIP = 16, TOKF_RSTRIP = 32, TOKF_SINGLE_WORD = 64 };
+
+#define TOK_MAX_STEPS 16
+#define TOK_MAX_ID    (1 << 24)
+
+struct tokenizer {
+    arena       mem;                 /* everything below lives here            */
+    int         n_ids;               /* max id + 1                             */
+    int         max_piece;           /* bytes of the longest token             */
+    uint32_t   *piece_off;           /* id -> bytes [off[id], off[id+1])       */
+    char       *piece_bytes;
+    uint8_t    *piece_flags;         /* TOKF_*                                 */
+    int32_t     byte_id[256];        /* id of each byte's byte-level symbol    */
+    bpe_merge  *merges;              /* open-addressing table by (a, b)        */
+    uint32_t    merge_mask;
+    int         ignore_merges, unk_id, fuse_unk;
+    int32_t    *words;               /* ignore_merges: raw bytes -> id table   */
+    uint32_t    word_mask;
+    trie_node  *trie[2]; int n_trie[2];   /* [0] normalized=false, matched first */
+    pretok_step steps[TOK_MAX_STEPS]; int n_steps;
+    int         bos_id, eos_id;
+    const char *bos_text;            /* what the chat template writes as BOS   */
+    int         chat_r1;             /* template strips "...</think>" (R1)     */
+    int         chat_r1_think;       /* generation prompt ends with "<think>\n" */
+};
+
+/* GPT-2's byte map: printable Latin-1 bytes stand for themselves; the other
+ * 68 (controls, space, DEL, NBSP, soft hyphen...) move to U+0100.. in byte
+ * order, so that every byte is a visible character in vocab strings. */
+static uint32_t bytelevel_cp(int b) {
+    if (b <= 32) return 256u + (uint32_t)b;
+    if (b >= 127 && b <= 160) return (uint32_t)b + 162u;
+    if (b == 173) return 323u;
+    return (uint32_t)b;
+}
+
+static int bytelevel_byte(uint32_t cp) {   /* inverse of bytelevel_cp, -1 if none */
+    if ((cp >= 33 && cp <= 126) || (cp >= 161 && cp <= 172) || (cp >= 174 && cp <= 255)) return (int)cp;
+    if (cp >= 256 && cp <= 288) return (int)cp - 256;
+    if (cp >= 289 && cp <= 322) return (int)cp - 162;
+    if (cp == 323) return 173;
+    return -1;
+}
+
+/* The ByteLevel decoder's rule for one token string: if every character is
+ * in the byte map, the bytes it stands for; otherwise the string's own UTF-8
+ * (added tokens such as "<｜User｜>").  Writes to out (may be NULL) and
+ * returns the length; *mapped tells which rule applied. */
+static size_t bytelevel_decode(const char *s, size_t n, char *out, int *mapped) {
+    size_t k = 0;
+    for (size_t i = 0; i < n;) {
+        uint32_t cp;
+        i += (size_t)utf8_decode((const uint8_t *)s + i, n - i, &cp);
+        int b = cp < TOK_BAD_BYTE ? bytelevel_byte(cp) : -1;
+        if (b < 0) {
+            if (out) memcpy(out, s, n);
+            *mapped = 0;
+            return n;
+        }
+        if (out) out[k] = (char)b;
+        k++;
+    }
+    *mapped = 1;
+    return k;
+}
+
+static uint64_t tok_hash(const void *p, size_t n) {   /* FNV-1a */
+    const uint8_t *s = p;
+    uint64_t h = 1469598103934665603ull;
+    for (size_t i = 0; i < n; i++) h = (h ^ s[i]) * 1099511628211ull;
+    return h ^ (h >> 29);
+}
+
+static uint32_t pair_slot(uint32_t a, uint32_t b, uint32_t mask) {
+    uint64_t key = ((uint64_t)a << 32) | b;
+    return (uint32_t)((key * 0x9E3779B97F4A7C15ull) >> 32) & mask;
+}
+
+static const bpe_merge *bpe_find(const tokenizer *t, int32_t a, int32_t b) {
+    if (!t->merges) return NULL;
+    uint32_t h = pair_slot((uint32_t)a, (uint32_t)b, t->merge_mask);
+    for (;;) {
+        const bpe_merge *m = &t->merges[h];
+        if (m->a == UINT32_MAX) return NULL;
+        if (m->a == (uint32_t)a && m->b == (uint32_t)b) return m;
+        h = (h + 1) & t->merge_mask;
+    }
+}
+
+/* ignore_merges: the id of a byte-level token whose bytes are exactly s[0..n). */
+static int32_t word_find(const tokenizer *t, const uint8_t *s, size_t n) {
+    if (!t->words) return -1;
+    uint32_t h = (uint32_t)tok_hash(s, n) & t->word_mask;
+    for (;;) {
+        int32_t id = t->words[h];
+        if (id < 0) return -1;
+        uint32_t len = t->piece_off[id + 1] - t->piece_off[id];
+        if (len == n && memcmp(t->piece_bytes + t->piece_off[id], s, n) == 0) return id;
+        h = (h + 1) & t->word_mask;
+    }
+}
+
+/* ---- loading ---- */
+
+/* Load-time state: the parsed JSON and a table from vocab strings (as they
+ * appear in tokenizer.json) to ids, freed when loading ends. */
+typedef struct {
+    tokenizer  *t;
+    const char *path;
+    arena       tmp;
+    const char **str; int *len;      /* vocab id -> its string, NULL if none */
+    int32_t    *vtab; uint32_t vmask;   /* vocab string -> id                */
+    const char **text; int *text_len;   /* any id -> its text (added wins)   */
+    const json *added;                  /* the added_tokens array            */
+    int32_t    *aid, *afirst;           /* added token i: its id; the first
+                                           entry with the same content       */
+} tok_loader;
+
+static int vocab_find(const tok_loader *L, const char *s, size_t n) {
+    uint32_t h = (uint32_t)tok_hash(s, n) & L->vmask;
+    for (;;) {
+        int32_t id = L->vtab[h];
+        if (id < 0) return -1;
+        if ((size_t)L->len[id] == n && memcmp(L->str[id], s, n) == 0) return id;
+        h = (h + 1) & L->vmask;
+    }
+}
+
+static uint32_t pow2_at_least(size_t n) {
+    uint32_t p = 16;
+    while (p < n && p < (1u << 30)) p <<= 1;
+    return p;
+}
+
+static int json_int_id(const json *v, int *id) {
+    if (!v || v->type != JSON_NUMBER || !(v->num >= 0) || v->num >= TOK_MAX_ID || v->num != (double)(int)v->num)
+        return -1;
+    *id = (int)v->num;
+    return 0;
+}
+
+static int json_flag(const json *obj, const char *key, int dflt) {
+    const json *v = json_get(obj, key);
+    if (!v || v->type == JSON_NULL) return dflt;
+    if (v->type == JSON_TRUE) return 1;
+    if (v->type == JSON_FALSE) return 0;
+    return -1;
+}
+
+/* HF ignores the ids written in added_tokens and numbers them itself, as
+ * AddedVocabulary::add_tokens does: a content already in the vocab (or added
+ * before) keeps that id; a new one gets the next id after the vocab and after
+ * the added tokens so far.  Real files agree with this; odd ones are read the
+ * way HF reads them. */
+static int added_id(tok_loader *L, const json *added, int i, int vocab_size, int *max_added,
+                    int32_t *atab, uint32_t amask) {
+    const json *c = json_get(&added->kids[i], "content");
+    uint32_t h = (uint32_t)tok_hash(c->str, (size_t)c->len) & amask;
+    for (; atab[h] >= 0; h = (h + 1) & amask) {
+        const json *o = json_get(&added->kids[atab[h]], "content");
+        if (o->len == c->len && memcmp(o->str, c->str, (size_t)c->len) == 0) {
+            L->afirst[i] = atab[h];
+            return L->aid[atab[h]];
+        }
+    }
+    atab[h] = i;
+    L->afirst[i] = i;
+    int id = vocab_find(L, c->str, (size_t)c->len);
+    if (id < 0) id = *max_added < 0 ? vocab_size : *max_added >= vocab_size ? *max_added + 1 : vocab_size;
+    if (id > *max_added) *max_added = id;
+    return id;
+}
+
+static int load_vocab(tok_loader *L, const json *model, const json *added) {
+    tokenizer *t = L->t;
+    const json *vocab = json_get(model, "vocab");
+    if (!vocab || vocab->type != JSON_OBJECT)
+        return fail(CM384_E_FORMAT, "%s: model.vocab is missing or not an object", L->path);
+    int max_id = -1;
+    for (int i = 0; i < vocab->len; i++) {
+        int id;
+        if (json_int_id(&vocab->kids[i], &id))
+            return fail(CM384_E_FORMAT, "%s: model.vocab entry %d (\"%.40s\") has no valid id",
+                        L->path, i, vocab->kids[i].key);
+        if (id > max_id) max_id = id;
+    }
+    if (added && added->type != JSON_ARRAY && added->type != JSON_NULL)
+        return fail(CM384_E_FORMAT, "%s: added_tokens is not an array", L->path);
+    int n_added = added && added->type == JSON_ARRAY ? added->len : 0;
+    for (int i = 0; i < n_added; i++) {
+        const json *a = &added->kids[i];
+        const json *content = json_get(a, "content");
+        int id;
+        if (a->type != JSON_OBJECT || json_int_id(json_get(a, "id"), &id) ||
+            !content || content->type != JSON_STRING || content->len == 0)
+            return fail(CM384_E_FORMAT, "%s: added_tokens[%d] needs an id and a non-empty content", L->path, i);
+    }
+    if (max_id < 0 && n_added == 0) return fail(CM384_E_FORMAT, "%s: the vocab is empty", L->path);
+
+    /* ids can reach max(max_id + 1, vocab size) + n_added */
+    size_t bound = (size_t)(max_id + 1 > vocab->len ? max_id + 1 : vocab->len) + (size_t)n_added;
+    L->str = calloc(bound, sizeof *L->str);
+    L->len = calloc(bound, sizeof *L->len);
+    L->text = calloc(bound, sizeof *L->text);
+    L->text_len = calloc(bound, sizeof *L->text_len);
+    L->vmask = pow2_at_least((size_t)vocab->len * 2) - 1;
+    L->vtab = malloc(((size_t)L->vmask + 1) * sizeof *L->vtab);
+    uint32_t amask = pow2_at_least((size_t)n_added * 2) - 1;
+    int32_t *atab = malloc(((size_t)amask + 1) * sizeof *atab);
+    L->added = added;
+    L->aid = malloc(((size_t)n_added + 1) * sizeof *L->aid);
+    L->afirst = malloc(((size_t)n_added + 1) * sizeof *L->afirst);
+    if (!L->str || !L->len || !L->text || !L->text_len || !L->vtab || !atab || !L->aid || !L->afirst) {
+        free(atab);
+        return fail(CM384_E_NOMEM, "%s: out of memory for the vocab", L->path);
+    }
+    memset(L->vtab, 0xff, ((size_t)L->vmask + 1) * sizeof *L->vtab);
+    memset(atab, 0xff, ((size_t)amask + 1) * sizeof *atab);
+
+    for (int i = 0; i < vocab->len; i++) {
+        const json *v = &vocab->kids[i];
+        int id = (int)v->num;
+        if (L->str[id]) {
+            free(atab);
+            return fail(CM384_E_FORMAT, "%s: model.vocab gives id %d to \"%.40s\" and \"%.40s\"",
+                        L->path, id, L->str[id], v->key);
+        }
+        L->str[id] = L->text[id] = v->key;
+        L->len[id] = L->text_len[id] = v->key_len;
+        uint32_t h = (uint32_t)tok_hash(v->key, (size_t)v->key_len) & L->vmask;
+        while (L->vtab[h] >= 0) {
+            int o = L->vtab[h];
+            if (L->len[o] == v->key_len && memcmp(L->str[o], v->key, (size_t)v->key_len) == 0) {
+                free(atab);
+                return fail(CM384_E_FORMAT, "%s: model.vocab has \"%.40s\" twice", L->path, v->key);
+            }
+            h = (h + 1) & L->vmask;
+        }
+        L->vtab[h] = id;
+    }
+    int max_added = -1;
+    for (int i = 0; i < n_added; i++) L->aid[i] = added_id(L, added, i, vocab->len, &max_added, atab, amask);
+    free(atab);
+    t->n_ids = (max_id > max_added ? max_id : max_added) + 1;
+
+    size_t n = (size_t)t->n_ids;
+    t->piece_flags = arena_alloc(&t->mem, n);
+    t->piece_off = arena_alloc(&t->mem, (n + 1) * sizeof *t->piece_off);
+    if (!t->piece_flags || !t->piece_off) return fail(CM384_E_NOMEM, "%s: out of memory", L->path);
+    memset(t->piece_flags, 0, n);
+    for (int i = 0; i < vocab->len; i++) t->piece_flags[(int)vocab->kids[i].num] = TOKF_EXISTS;
+
+    /* added tokens: their content is their text; they win over the vocab */
+    for (int i = 0; i < n_added; i++) {
+        const json *a = &added->kids[i];
+        const json *content = json_get(a, "content");
+        int id = L->aid[i];
+        int special = json_flag(a, "special", 0);
+        int lstrip = json_flag(a, "lstrip", 0), rstrip = json_flag(a, "rstrip", 0);
+        int single = json_flag(a, "single_word", 0);
+        int normalized = json_flag(a, "normalized", !special);
+        if (special < 0 || lstrip < 0 || rstrip < 0 || single < 0 || normalized < 0)
+            return fail(CM384_E_FORMAT, "%s: added_tokens[%d] has a flag that is not true/false", L->path, i);
+        L->text[id] = content->str; L->text_len[id] = content->len;
+        t->piece_flags[id] = (uint8_t)(TOKF_EXISTS | TOKF_ADDED | (special ? TOKF_SPECIAL : 0) |
+                                       (lstrip ? TOKF_LSTRIP : 0) | (rstrip ? TOKF_RSTRIP : 0) |
+                                       (single ? TOKF_SINGLE_WORD : 0));
+    }
+
+    /* pieces: the bytes each id decodes to */
+    size_t total = 0;
+    for (size_t id = 0; id < n; id++) {
+        int mapped;
+        if (L->text[id]) total += bytelevel_decode(L->text[id], (size_t)L->text_len[id], NULL, &mapped);
+    }
+    if (total > UINT32_MAX - 1) return fail(CM384_E_FORMAT, "%s: vocab too large", L->path);
+    t->piece_bytes = arena_alloc(&t->mem, total + 1);
+    if (!t->piece_bytes) return fail(CM384_E_NOMEM, "%s: out of memory", L->path);
+    uint32_t off = 0;
+    for (size_t id = 0; id < n; id++) {
+        t->piece_off[id] = off;
+        if (!L->text[id]) continue;
+        int mapped;
+        size_t k = bytelevel_decode(L->text[id], (size_t)L->text_len[id], t->piece_bytes + off, &mapped);
+        if (k > (size_t)t->max_piece) t->max_piece = k > INT_MAX / 4 ? INT_MAX / 4 : (int)k;
+        off += (uint32_t)k;
+        if (mapped && L->str[id]) t->piece_flags[id] |= TOKF_BYTELEVEL;   /* a model-vocab string */
+    }
+    t->piece_off[n] = off;
+    return CM384_OK;
+}
+
+/* Splits a merges entry, "a b" or ["a", "b"], into its two strings. */
+static int merge_parts(const json *m, const char **a, size_t *na, const char **b, size_t *nb) {
+    if (m->type == JSON_ARRAY) {
+        if (m->len != 2 || m->kids[0].type != JSON_STRING || m->kids[1].type != JSON_STRING) return -1;
+        *a = m->kids[0].str; *na = (size_t)m->kids[0].len;
+        *b = m->kids[1].str; *nb = (size_t)m->kids[1].len;
+        return 0;
+    }
+    if (m->type != JSON_STRING) return -1;
+    const char *sp = memchr(m->str, ' ', (size_t)m->len);
+    if (!sp || memchr(sp + 1, ' ', (size_t)(m->str + m->len - sp - 1))) return -1;   /* exactly one space */
+    *a = m->str; *na = (size_t)(sp - m->str);
+    *b = sp + 1; *nb = (size_t)(m->str + m->len - sp - 1);
+    return 0;
+}
+
+static int load_merges(tok_loader *L, const json *model) {
+    tokenizer *t = L->t;
+    const json *merges = json_get(model, "merges");
+    if (merges && merges->type == JSON_NULL) merges = NULL;
+    if (merges && merges->type != JSON_ARRAY)
+        return fail(CM384_E_FORMAT, "%s: model.merges is not an array", L->path);
+    int nm = merges ? merges->len : 0;
+    t->merge_mask = pow2_at_least((size_t)nm * 2) - 1;
+    t->merges = arena_alloc(&t->mem, ((size_t)t->merge_mask + 1) * sizeof *t->merges);
+    if (!t->merges) return fail(CM384_E_NOMEM, "%s: out of memory for merges", L->path);
+    memset(t->merges, 0xff, ((size_t)t->merge_mask + 1) * sizeof *t->merges);
+    char *cat = NULL;
+    size_t cat_cap = 0;
+    for (int k = 0; k < nm; k++) {
+        const char *a, *b;
+        size_t na, nb;
+        if (merge_parts(&merges->kids[k], &a, &na, &b, &nb)) {
+            free(cat);
+            return fail(CM384_E_FORMAT, "%s: model.merges[%d] is not \"a b\" or [\"a\", \"b\"]", L->path, k);
+        }
+        int ia = vocab_find(L, a, na), ib = vocab_find(L, b, nb);
+        if (na + nb > cat_cap) {
+            cat_cap = (na + nb) * 2 + 64;
+            char *nc = realloc(cat, cat_cap);
+            if (!nc) { free(cat); return fail(CM384_E_NOMEM, "%s: out of memory", L->path); }
+            cat = nc;
+        }
+        memcpy(cat, a, na);
+        memcpy(cat + na, b, nb);
+        int ic = vocab_find(L, cat, na + nb);
+        if (ia < 0 || ib < 0 || ic < 0) {
+            const char *which = ia < 0 ? a : ib < 0 ? b : cat;
+            int wl = (int)(ia < 0 ? na : ib < 0 ? nb : na + nb);
+            int r = fail(CM384_E_FORMAT, "%s: model.merges[%d]: token \"%.*s\" is not in the vocab",
+                         L->path, k, wl > 60 ? 60 : wl, which);
+            free(cat);
+            return r;
+        }
+        /* a repeated pair keeps the later rank, as HF's HashMap does */
+        uint32_t h = pair_slot((uint32_t)ia, (uint32_t)ib, t->merge_mask);
+        while (t->merges[h].a != UINT32_MAX && !(t->merges[h].a == (uint32_t)ia && t->merges[h].b == (uint32_t)ib))
+            h = (h + 1) & t->merge_mask;
+        t->merges[h].a = (uint32_t)ia; t->merges[h].b = (uint32_t)ib;
+        t->merges[h].rank = k; t->merges[h].id = ic;
+    }
+    free(cat);
+    return CM384_OK;
+}
+
+static int load_model(tok_loader *L, const json *root) {
+    tokenizer *t = L->t;
+    const json *model = json_get(root, "model");
+    if (!model || model->type != JSON_OBJECT)
+        return fail(CM384_E_FORMAT, "%s: no \"model\" object", L->path);
+    const char *type = json_str(model, "type", NULL);
+    if (type && strcmp(type, "BPE"))
+        return fail(CM384_E_UNSUPPORTED, "%s: model type \"%s\" is not supported (only BPE)", L->path, type);
+    const char *cont = json_str(model, "continuing_subword_prefix", NULL);
+    const char *suffix = json_str(model, "end_of_word_suffix", NULL);
+    if ((cont && cont[0]) || (suffix && suffix[0]))
+        return fail(CM384_E_UNSUPPORTED, "%s: BPE with a subword prefix or suffix is not supported", L->path);
+    int r = load_vocab(L, model, json_get(root, "added_tokens"));
+    if (r) return r;
+    if ((r = load_merges(L, model))) return r;
+    for (int b = 0; b < 256; b++) {
+        char u[4];
+        int k = utf8_put(u, bytelevel_cp(b));
+        t->byte_id[b] = vocab_find(L, u, (size_t)k);
+    }
+    t->ignore_merges = json_flag(model, "ignore_merges", 0) == 1;
+    t->fuse_unk = json_flag(model, "fuse_unk", 0) == 1;
+    const char *unk = json_str(model, "unk_token", NULL);
+    t->unk_id = unk ? vocab_find(L, unk, strlen(unk)) : -1;
+    if (t->ignore_merges) {
+        t->word_mask = pow2_at_least((size_t)t->n_ids * 2) - 1;
+        t->words = arena_alloc(&t->mem, ((size_t)t->word_mask + 1) * sizeof *t->words);
+        if (!t->words) return fail(CM384_E_NOMEM, "%s: out of memory", L->path);
+        memset(t->words, 0xff, ((size_t)t->word_mask + 1) * sizeof *t->words);
+        for (int id = 0; id < t->n_ids; id++) {
+            if (!(t->piece_flags[id] & TOKF_BYTELEVEL)) continue;
+            const uint8_t *s = (const uint8_t *)t->piece_bytes + t->piece_off[id];
+            size_t n = t->piece_off[id + 1] - t->piece_off[id];
+            if (word_find(t, s, n) >= 0) continue;
+            uint32_t h = (uint32_t)tok_hash(s, n) & t->word_mask;
+            while (t->words[h] >= 0) h = (h + 1) & t->word_mask;
+            t->words[h] = id;
+        }
+    }
+    return CM384_OK;
+}
+
+static int trie_add(tokenizer *t, int which, const char *s, size_t n, int token, int cap) {
+    trie_node *nodes = t->trie[which];
+    int cur = 0;
+    for (size_t i = 0; i < n; i++) {
+        int c = nodes[cur].child;
+        while (c >= 0 && nodes[c].byte != (uint8_t)s[i]) c = nodes[c].sibling;
+        if (c < 0) {
+            if (t->n_trie[which] >= cap) return -1;
+            c = t->n_trie[which]++;
+            nodes[c].byte = (uint8_t)s[i]; nodes[c].child = -1; nodes[c].token = -1;
+            nodes[c].sibling = nodes[cur].child;
+            nodes[cur].child = c;
+        }
+        cur = c;
+    }
+    nodes[cur].token = token;   /* a repeated content: the later entry wins */
+    return 0;
+}
+
+/* Which contents go into which trie follows HF's AddedVocabulary: the first
+ * special entry of each content, then every entry whose content has no
+ * special entry at all; each into the trie of its own normalized flag. */
+static int load_added_tries(tok_loader *L) {
+    tokenizer *t = L->t;
+    const json *added = L->added;
+    int n = added && added->type == JSON_ARRAY ? added->len : 0;
+    size_t cap = 1;
+    for (int i = 0; i < n; i++) cap += (size_t)json_get(&added->kids[i], "content")->len;
+    if (cap > INT_MAX) return fail(CM384_E_FORMAT, "%s: added tokens too long", L->path);
+    for (int w = 0; w < 2; w++) {
+        t->trie[w] = arena_alloc(&t->mem, cap * sizeof(trie_node));
+        if (!t->trie[w]) return fail(CM384_E_NOMEM, "%s: out of memory", L->path);
+        t->trie[w][0].child = -1; t->trie[w][0].sibling = -1; t->trie[w][0].token = -1;
+        t->n_trie[w] = 1;
+    }
+    uint8_t *has_special = calloc((size_t)n + 1, 1), *placed = calloc((size_t)n + 1, 1);
+    if (!has_special || !placed) { free(has_special); free(placed); return fail(CM384_E_NOMEM, "%s: out of memory", L->path); }
+    for (int i = 0; i < n; i++)
+        if (json_flag(&added->kids[i], "special", 0) == 1) has_special[L->afirst[i]] = 1;
+    int r = CM384_OK;
+    for (int pass = 0; pass < 2 && !r; pass++)
+        for (int i = 0; i < n && !r; i++) {
+            const json *a = &added->kids[i];
+            int special = json_flag(a, "special", 0) == 1;
+            int normalized = json_flag(a, "normalized", !special) == 1;
+            if (pass == 0 ? !special || placed[L->afirst[i]] : has_special[L->afirst[i]]) continue;
+            placed[L->afirst[i]] = 1;
+            const json *content = json_get(a, "content");
+            if (trie_add(t, normalized, content->str, (size_t)content->len, L->aid[i], (int)cap))
+                r = fail(CM384_E_INTERNAL, "%s: added-token trie overflow", L->path);
+        }
+    free(has_special);
+    free(placed);
+    return r;
+}
+
+static int check_normalizer(tok_loader *L, const json *nz) {
+    if (!nz || nz->type == JSON_NULL) return CM384_OK;
+    const char *type = json_str(nz, "type", NULL);
+    const json *list = json_get(nz, "normalizers");
+    if (type && !strcmp(type, "Sequence") && list && list->type == JSON_ARRAY) {
+        for (int i = 0; i < list->len; i++) {
+            int r = check_normalizer(L, &list->kids[i]);
+            if (r) return r;
+        }
+        return CM384_OK;
+    }
+    /* DeepSeek's tokenizers have none; a real one would change the ids */
+    return fail(CM384_E_UNSUPPORTED, "%s: normalizer \"%s\" is not supported", L->path, type ? type : "?");
+}
+
+static const char gpt2_pattern[] =
+    "'s|'t|'re|'ve|'m|'ll|'d| ?\\p{L}+| ?\\p{N}+| ?[^\\s\\p{L}\\p{N}]+|\\s+(?!\\S)|\\s+";
+
+static int add_pretok(tok_loader *L, const json *pt, int depth) {
+    tokenizer *t = L->t;
+    if (!pt || pt->type == JSON_NULL) return CM384_OK;
+    const char *type = json_str(pt, "type", NULL);
+    if (!type) return fail(CM384_E_FORMAT, "%s: pre_tokenizer without a type", L->path);
+    if (!strcmp(type, "Sequence")) {
+        const json *list = json_get(pt, "pretokenizers");
+        if (!list || list->type != JSON_ARRAY || depth > 8)
+            return fail(CM384_E_FORMAT, "%s: pre_tokenizer Sequence without a pretokenizers list", L->path);
+        for (int i = 0; i < list->len; i++) {
+            int r = add_pretok(L, &list->kids[i], depth + 1);
+            if (r) return r;
+        }
+        return CM384_OK;
+    }
+    if (t->n_steps == TOK_MAX_STEPS) return fail(CM384_E_UNSUPPORTED, "%s: too many pre-tokenizers", L->path);
+    if (t->n_steps > 0 && t->steps[t->n_steps - 1].kind == PT_BYTELEVEL)
+        return fail(CM384_E_UNSUPPORTED, "%s: pre-tokenizers after ByteLevel are not supported", L->path);
+    pretok_step *st = &t->steps[t->n_steps];
+    memset(st, 0, sizeof *st);
+    const char *err = NULL;
+    if (!strcmp(type, "Split")) {
+        static const char *behaviors[] = {"Isolated", "Removed", "MergedWithPrevious", "MergedWithNext", "Contiguous"};
+        const char *beh = json_str(pt, "behavior", NULL);
+        st->kind = PT_SPLIT;
+        st->behavior = -1;
+        for (int i = 0; beh && i < 5; i++) if (!strcmp(beh, behaviors[i])) st->behavior = i;
+        st->invert = json_flag(pt, "invert", 0);
+        const json *pat = json_get(pt, "pattern");
+        const json *rx = json_get(pat, "Regex"), *lit = json_get(pat, "String");
+        if (st->behavior < 0 || st->invert < 0 || !((rx && rx->type == JSON_STRING) || (lit && lit->type == JSON_STRING)))
+            return fail(CM384_E_FORMAT, "%s: Split pre-tokenizer needs a pattern {Regex|String}, a behavior and invert", L->path);
+        if (rx && rx->type == JSON_STRING) {
+            st->is_regex = 1;
+            int r = rx_compile(rx->str, (size_t)rx->len, &t->mem, &st->rx, &err);
+            if (r) return fail(r, "%s: Split regex \"%.60s\": %s", L->path, rx->str, err);
+        } else {
+            st->lit = arena_alloc(&t->mem, ((size_t)lit->len + 1) * sizeof *st->lit);
+            if (!st->lit) return fail(CM384_E_NOMEM, "%s: out of memory", L->path);
+            for (int i = 0; i < lit->len;) {
+                uint32_t cp;
+                i += utf8_decode((const uint8_t *)lit->str + i, (size_t)(lit->len - i), &cp);
+                st->lit[st->n_lit++] = cp;
+            }
+        }
+    } else if (!strcmp(type, "ByteLevel")) {
+        st->kind = PT_BYTELEVEL;
+        st->add_prefix_space = json_flag(pt, "add_prefix_space", 1);
+        st->use_regex = json_flag(pt, "use_regex", 1);
+        if (st->add_prefix_space < 0 || st->use_regex < 0)
+            return fail(CM384_E_FORMAT, "%s: ByteLevel flags must be true/false", L->path);
+        if (st->use_regex) {
+            int r = rx_compile(gpt2_pattern, sizeof gpt2_pattern - 1, &t->mem, &st->rx, &err);
+            if (r) return fail(r, "%s: GPT-2 regex: %s", L->path, err);
+        }
+    } else if (!strcmp(type, "Digits")) {
+        st->kind = PT_DIGITS;
+        st->individual_digits = json_flag(pt, "individual_digits", 0) == 1;
+        st->behavior = st->individual_digits ? SPLIT_ISOLATED : SPLIT_CONTIGUOUS;
+    } else {
+        return fail(CM384_E_UNSUPPORTED, "%s: pre-tokenizer \"%s\" is not supported", L->path, type);
+    }
+    t->n_steps++;
+    return CM384_OK;
+}
+
+static int check_decoder(tok_loader *L, const json *d) {
+    if (!d || d->type == JSON_NULL) return CM384_OK;   /* treated as ByteLevel */
+    const char *type = json_str(d, "type", NULL);
+    if (type && !strcmp(type, "ByteLevel")) return CM384_OK;
+    const json *list = json_get(d, "decoders");
+    if (type && !strcmp(type, "Sequence") && list && list->type == JSON_ARRAY) {
+        for (int i = 0; i < list->len; i++) {
+            int r = check_decoder(L, &list->kids[i]);
+            if (r) return r;
+        }
+        return CM384_OK;
+    }
+    return fail(CM384_E_UNSUPPORTED, "%s: decoder \"%s\" is not supported (only ByteLevel)", L->path, type ? type : "?");
+}
+
+/* bos_token / eos_token of tokenizer_config.json: "text" or {"content": "text"}. */
+static const char *config_token_text(const json *cfg, const char *key, int *len) {
+    const json *v = json_get(cfg, key);
+    if (v && v->type == JSON_OBJECT) v = json_get(v, "content");
+    if (!v || v->type != JSON_STRING) return NULL;
+    *len = v->len;
+    return v->str;
+}
+
+static int token_id_of_text(const tok_loader *L, const char *s, int n) {
+    int n_added = L->added && L->added->type == JSON_ARRAY ? L->added->len : 0;
+    for (int i = 0; i < n_added; i++) {
+        const json *c = json_get(&L->added->kids[i], "content");
+        if (c->len == n && memcmp(c->str, s, (size_t)n) == 0) return L->aid[i];
+    }
+    return vocab_find(L, s, (size_t)n);
+}
+
+static int load_config(tok_loader *L, const char *config_path) {
+    tokenizer *t = L->t;
+    t->bos_id = t->eos_id = -1;
+    t->bos_text = "";
+    if (!config_path || !file_exists(config_path)) return CM384_OK;
+    json cfg;
+    int r = json_load_file(config_path, &L->tmp, &cfg);
+    if (r) return r;
+    if (cfg.type != JSON_OBJECT) return fail(CM384_E_FORMAT, "%s: not a JSON object", config_path);
+    int n;
+    const char *s = config_token_text(&cfg, "bos_token", &n);
+    if (s) {
+        t->bos_id = token_id_of_text(L, s, n);
+        char *copy = arena_strndup(&t->mem, s, (size_t)n);
+        if (!copy) return fail(CM384_E_NOMEM, "%s: out of memory", config_path);
+        t->bos_text = copy;
+    }
+    if ((s = config_token_text(&cfg, "eos_token", &n))) t->eos_id = token_id_of_text(L, s, n);
+    /* chat_template: a string, or a list of {name, template} */
+    const json *ct = json_get(&cfg, "chat_template");
+    const char *tpl = NULL;
+    if (ct && ct->type == JSON_STRING) tpl = ct->str;
+    else if (ct && ct->type == JSON_ARRAY) {
+        for (int i = 0; i < ct->len; i++) {
+            const char *name = json_str(&ct->kids[i], "name", NULL), *text = json_str(&ct->kids[i], "template", NULL);
+            if (text && (!tpl || (name && !strcmp(name, "default")))) tpl = text;
+        }
+    }
+    if (tpl) {
+        t->chat_r1 = strstr(tpl, "</think>") != NULL;
+        /* the newline may be a real one or a Jinja "\n" escape */
+        t->chat_r1_think = strstr(tpl, "<｜Assistant｜><think>\n") || strstr(tpl, "<｜Assistant｜><think>\\n");
+    }
+    return CM384_OK;
+}
+
+static void tokenizer_free(tokenizer *t) {
+    if (!t) return;
+    arena_free(&t->mem);
+    free(t);
+}
+
+static int tokenizer_load(tokenizer **out, const char *tokenizer_json_path, const char *tokenizer_config_path) {
+    if (!out || !tokenizer_json_path) return fail(CM384_E_INVALID, "tokenizer_load: NULL argument");
+    *out = NULL;
+    tok_loader L;
+    memset(&L, 0, sizeof L);
+    L.path = tokenizer_json_path;
+    L.t = calloc(1, sizeof *L.t);
+    if (!L.t) return fail(CM384_E_NOMEM, "%s: out of memory", L.path);
+    json root;
+    int r = json_load_file(L.path, &L.tmp, &root);
+    if (!r && root.type != JSON_OBJECT) r = fail(CM384_E_FORMAT, "%s: not a JSON object", L.path);
+    if (!r) r = load_model(&L, &root);
+    if (!r) r = load_added_tries(&L);
+    if (!r) r = check_normalizer(&L, json_get(&root, "normalizer"));
+    if (!r) r = add_pretok(&L, json_get(&root, "pre_tokenizer"), 0);
+    if (!r && (L.t->n_steps == 0 || L.t->steps[L.t->n_steps - 1].kind != PT_BYTELEVEL))
+        r = fail(CM384_E_UNSUPPORTED, "%s: the pre_tokenizer has no ByteLevel step (only byte-level BPE is supported)", L.path);
+    if (!r) r = check_decoder(&L, json_get(&root, "decoder"));
+    if (!r) r = load_config(&L, tokenizer_config_path);
+    free(L.str); free(L.len); free(L.text); free(L.text_len); free(L.vtab); free(L.aid); free(L.afirst);
+    arena_free(&L.tmp);
+    if (r) { tokenizer_free(L.t); return r; }
+    *out = L.t;
+    return CM384_OK;
+}
+
+static int tokenizer_n_ids(const tokenizer *t) { return t ? t->n_ids : 0; }
+static int tokenizer_bos(const tokenizer *t) { return t ? t->bos_id : -1; }
+static int tokenizer_eos(const tokenizer *t) { return t ? t->eos_id : -1; }
+
+/* Room that always suffices for one detok_stream_push(): a cut code point
+ * (3 bytes of U+FFFD) plus the longest token, every byte of it possibly an
+ * invalid byte (3 bytes each).  DeepSeek-V3's longest token is 128 spaces,
+ * so 64 bytes are not always enough there. */
+static int tokenizer_max_piece(const tokenizer *t) { return t ? t->max_piece : 0; }
+static size_t tokenizer_stream_cap(const tokenizer *t) { return 3 + 3 * (size_t)tokenizer_max_piece(t); }
+
+static int tokenizer_is_special(const tokenizer *t, int32_t id) {
+    return t && id >= 0 && id < t->n_ids && (t->piece_flags[id] & TOKF_SPECIAL);
+}
+
 static int tokenizer_piece(const tokenizer *t, int32_t id, const char **bytes, int *len) {
-    (void)t; (void)id; *bytes = "?"; *len = 1; return CM384_OK;
+    if (!t || !bytes || !len) return fail(CM384_E_INVALID, "tokenizer_piece: NULL argument");
+    if (id < 0 || id >= t->n_ids) return fail(CM384_E_INVALID, "token id %d out of range [0, %d)", (int)id, t->n_ids);
+    *bytes = t->piece_bytes + t->piece_off[id];   /* an id with no token: empty, as HF skips it */
+    *len = (int)(t->piece_off[id + 1] - t->piece_off[id]);
+    return CM384_OK;
 }
-static int tokenizer_is_special(const tokenizer *t, int32_t id) { (void)t; (void)id; return 0; }
+
+/* ---- 3d. Encoding ------------------------------------------------------- */
+
+typedef struct { int s, e, prefix; } tok_span;  /* code points [s, e); prefix: ByteLevel put a space before */
+typedef struct { int s, e, match; } tok_seg;    /* one piece of a split, matched by the pattern or not     */
+typedef struct { int32_t rank, pos; } bpe_cand; /* a pair that could merge: rank, left symbol              */
+
+typedef struct { uint64_t hash; uint32_t key_off, key_len, ids_off, ids_len; } bpe_cache_ent;
+#define BPE_CACHE_SLOTS 4096   /* power of two                    */
+#define BPE_CACHE_WORD  48     /* longer pieces are not cached    */
+
+/* Everything one encode call needs; freed when it returns. */
+typedef struct {
+    const tokenizer *t;
+    int32_t  *out;  int cap;  size_t count;
+    int       no_special;
+    uint32_t *cp;   uint8_t *props;  uint32_t *off;   /* decoded stretch; off: byte offsets */
+    size_t    cp_cap, props_cap, off_cap;
+    uint32_t *tcp;  uint8_t *tprops;  size_t tcp_cap, tprops_cap;   /* ByteLevel's prefixed copy */
+    tok_span *sp[2]; size_t sp_n[2], sp_cap[2];
+    tok_seg  *seg;  size_t seg_n, seg_cap;
+    rx_vm     vm;
+    int32_t  *sym, *prev, *next; size_t sym_cap, prev_cap, next_cap;
+    bpe_cand *heap; size_t heap_cap;
+    uint8_t  *word; size_t word_cap;
+    /* Words repeat, so each call keeps a small direct-mapped cache of BPE
+     * results (HF keeps one in the tokenizer; ours stays per call so the
+     * tokenizer is never written to). */
+    bpe_cache_ent *cache;       /* made after the first 32 words of a call */
+    int       n_words;
+    uint8_t  *ckeys; size_t ckeys_n, ckeys_cap;
+    int32_t  *cids;  size_t cids_n, cids_cap;
+    int       status;
+} tok_enc;
+
+/* Grows a scratch array to hold `need` elements.  On failure the old block
+ * is kept (and freed later) and e->status says why. */
+static void *enc_grow(tok_enc *e, void *p, size_t *cap, size_t need, size_t elem) {
+    if (need <= *cap || e->status) return p;
+    size_t nc = *cap ? *cap : 64;
+    while (nc < need) nc *= 2;
+    void *np = nc <= SIZE_MAX / elem ? realloc(p, nc * elem) : NULL;
+    if (!np) { e->status = CM384_E_NOMEM; return p; }
+    *cap = nc;
+    return np;
+}
+#define ENC_GROW(e, arr, cap, need) ((arr) = enc_grow((e), (arr), &(cap), (need), sizeof *(arr)), (e)->status == 0)
+
+static void enc_emit(tok_enc *e, int32_t id) {
+    if (e->count < (size_t)e->cap) e->out[e->count] = id;
+    e->count++;
+}
+
+static int cand_less(bpe_cand a, bpe_cand b) {
+    return a.rank < b.rank || (a.rank == b.rank && a.pos < b.pos);
+}
+
+static void heap_push(bpe_cand *h, int *n, bpe_cand c) {
+    int i = (*n)++;
+    while (i > 0 && cand_less(c, h[(i - 1) / 2])) { h[i] = h[(i - 1) / 2]; i = (i - 1) / 2; }
+    h[i] = c;
+}
+
+static bpe_cand heap_pop(bpe_cand *h, int *n) {
+    bpe_cand top = h[0], last = h[--(*n)];
+    int i = 0;
+    for (;;) {
+        int c = 2 * i + 1;
+        if (c >= *n) break;
+        if (c + 1 < *n && cand_less(h[c + 1], h[c])) c++;
+        if (!cand_less(h[c], last)) break;
+        h[i] = h[c];
+        i = c;
+    }
+    h[i] = last;
+    return top;
+}
+
+/* BPE on one word: w[0..n) become byte-level symbols; the pair with the
+ * lowest merge rank (leftmost on ties) merges until none can, exactly the
+ * order of HF's priority queue.  The result is left in e->sym[0..count). */
+static int bpe_merge_word(tok_enc *e, const uint8_t *w, size_t n) {
+    const tokenizer *t = e->t;
+    if (!ENC_GROW(e, e->sym, e->sym_cap, n) || !ENC_GROW(e, e->prev, e->prev_cap, n) ||
+        !ENC_GROW(e, e->next, e->next_cap, n) || !ENC_GROW(e, e->heap, e->heap_cap, 3 * n))
+        return 0;
+    int32_t *sym = e->sym, *prv = e->prev, *nxt = e->next;
+    int m = 0;
+    for (size_t i = 0; i < n; i++) {
+        int32_t id = t->byte_id[w[i]];
+        if (id < 0) {   /* no symbol for this byte: unk, or dropped as HF does */
+            if (t->unk_id < 0 || (t->fuse_unk && m > 0 && sym[m - 1] == t->unk_id)) continue;
+            id = t->unk_id;
+        }
+        sym[m++] = id;
+    }
+    if (m <= 1) return m;
+    int nh = 0;
+    for (int i = 0; i < m; i++) {
+        prv[i] = i - 1;
+        nxt[i] = i + 1 < m ? i + 1 : -1;
+        if (i + 1 < m) {
+            const bpe_merge *mg = bpe_find(t, sym[i], sym[i + 1]);
+            if (mg) heap_push(e->heap, &nh, (bpe_cand){mg->rank, i});
+        }
+    }
+    while (nh > 0) {
+        bpe_cand c = heap_pop(e->heap, &nh);
+        int i = c.pos, j;
+        if (sym[i] < 0 || (j = nxt[i]) < 0) continue;          /* merged away */
+        const bpe_merge *mg = bpe_find(t, sym[i], sym[j]);
+        if (!mg || mg->rank != c.rank) continue;                 /* stale       */
+        sym[i] = mg->id;
+        sym[j] = -1;
+        nxt[i] = nxt[j];
+        if (nxt[j] >= 0) prv[nxt[j]] = i;
+        if (prv[i] >= 0 && (mg = bpe_find(t, sym[prv[i]], sym[i])))
+            heap_push(e->heap, &nh, (bpe_cand){mg->rank, prv[i]});
+        if (nxt[i] >= 0 && (mg = bpe_find(t, sym[i], sym[nxt[i]])))
+            heap_push(e->heap, &nh, (bpe_cand){mg->rank, i});
+    }
+    int k = 0;   /* the survivors, in order (the first symbol always survives) */
+    for (int i = 0; i >= 0; i = nxt[i]) sym[k++] = sym[i];
+    return k;
+}
+
+/* Encodes one piece: its bytes, after a space when ByteLevel's
+ * add_prefix_space put one there. */
+static void enc_bpe(tok_enc *e, const uint8_t *s, size_t n, int prefix) {
+    const tokenizer *t = e->t;
+    size_t total = n + (prefix ? 1 : 0);
+    if (total == 0) return;
+    if (total > INT_MAX / 4) { e->status = CM384_E_CAPACITY; return; }
+    const uint8_t *w = s;
+    if (prefix) {
+        if (!ENC_GROW(e, e->word, e->word_cap, total)) return;
+        e->word[0] = ' ';
+        memcpy(e->word + 1, s, n);
+        w = e->word;
+    }
+    if (t->ignore_merges) {   /* a piece that is a whole token skips the merges */
+        int32_t id = word_find(t, w, total);
+        if (id >= 0) { enc_emit(e, id); return; }
+    }
+    bpe_cache_ent *ce = NULL;
+    uint64_t h = 0;
+    if (total <= BPE_CACHE_WORD && ++e->n_words > 32) {
+        if (!e->cache && !(e->cache = calloc(BPE_CACHE_SLOTS, sizeof *e->cache))) { e->status = CM384_E_NOMEM; return; }
+        h = tok_hash(w, total) | 1;   /* never 0: 0 marks an empty slot */
+        ce = &e->cache[h & (BPE_CACHE_SLOTS - 1)];
+        if (ce->hash == h && ce->key_len == total && memcmp(e->ckeys + ce->key_off, w, total) == 0) {
+            for (uint32_t i = 0; i < ce->ids_len; i++) enc_emit(e, e->cids[ce->ids_off + i]);
+            return;
+        }
+    }
+    int k = bpe_merge_word(e, w, total);
+    for (int i = 0; i < k; i++) enc_emit(e, e->sym[i]);
+    if (ce && k > 0 && ENC_GROW(e, e->ckeys, e->ckeys_cap, e->ckeys_n + total) &&
+        ENC_GROW(e, e->cids, e->cids_cap, e->cids_n + (size_t)k)) {
+        memcpy(e->ckeys + e->ckeys_n, w, total);
+        memcpy(e->cids + e->cids_n, e->sym, (size_t)k * sizeof *e->cids);
+        ce->hash = h;
+        ce->key_off = (uint32_t)e->ckeys_n; ce->key_len = (uint32_t)total;
+        ce->ids_off = (uint32_t)e->cids_n; ce->ids_len = (uint32_t)k;
+        e->ckeys_n += total;
+        e->cids_n += (size_t)k;
+    }
+}
+
+static void seg_push(tok_enc *e, int s, int en, int match) {
+    if (!ENC_GROW(e, e->seg, e->seg_cap, e->seg_n + 1)) return;
+    e->seg[e->seg_n].s = s; e->seg[e->seg_n].e = en; e->seg[e->seg_n].match = match;
+    e->seg_n++;
+}
+
+/* Regex matches over cp[0..n) as segments, the way HF iterates Oniguruma's
+ * matches (an empty match right after the previous match is skipped). */
+static void segs_regex(tok_enc *e, const rx_prog *rx, const uint32_t *cp, const uint8_t *props, int n) {
+    e->vm.cp = cp; e->vm.props = props; e->vm.n = n;
+    int pos = 0, prev = 0, last_end = -1, ms, me;
+    while (pos <= n && rx_search(rx, &e->vm, pos, &ms, &me)) {
+        if (ms == me && me == last_end) { pos = me + 1; continue; }
+        if (prev < ms) seg_push(e, prev, ms, 0);
+        seg_push(e, ms, me, 1);
+        prev = last_end = pos = me;
+    }
+    if (e->vm.oom) e->status = CM384_E_NOMEM;
+    if (prev < n) seg_push(e, prev, n, 0);
+}
+
+static void segs_literal(tok_enc *e, const pretok_step *st, const uint32_t *cp, int n) {
+    int prev = 0;
+    if (st->n_lit > 0)
+        for (int i = 0; i + st->n_lit <= n;) {
+            if (memcmp(cp + i, st->lit, (size_t)st->n_lit * sizeof *cp) == 0) {
+                if (prev < i) seg_push(e, prev, i, 0);
+                seg_push(e, i, i + st->n_lit, 1);
+                i = prev = i + st->n_lit;
+            } else i++;
+        }
+    if (prev < n) seg_push(e, prev, n, 0);
+}
+
+/* Digits: every numeric character (Rust's char::is_numeric) is a match. */
+static void segs_digits(tok_enc *e, const uint8_t *props, int n) {
+    int prev = 0;
+    for (int i = 0; i < n; i++)
+        if ((UMASK_N >> (props[i] & 31)) & 1) {
+            if (prev < i) seg_push(e, prev, i, 0);
+            seg_push(e, i, i + 1, 1);
+            prev = i + 1;
+        }
+    if (prev < n) seg_push(e, prev, n, 0);
+}
+
+static void span_push(tok_enc *e, int dst, int s, int en, int prefix) {
+    if (!ENC_GROW(e, e->sp[dst], e->sp_cap[dst], e->sp_n[dst] + 1)) return;
+    tok_span *p = &e->sp[dst][e->sp_n[dst]++];
+    p->s = s; p->e = en; p->prefix = prefix;
+}
+
+/* Turns the segments of one span into pieces per the Split behavior (HF's
+ * SplitDelimiterBehavior), shifted by base, empty pieces dropped. */
+static void segs_to_spans(tok_enc *e, int dst, int behavior, int invert, int base) {
+    size_t first = e->sp_n[dst];
+    int prev_match = 0;
+    tok_span *sp;
+    if (behavior == SPLIT_MERGED_NEXT) {   /* HF folds from the right, then reverses */
+        for (size_t k = e->seg_n; k-- > 0;) {
+            tok_seg g = e->seg[k];
+            int m = g.match ^ invert;
+            if (m && !prev_match && e->sp_n[dst] > first) e->sp[dst][e->sp_n[dst] - 1].s = base + g.s;
+            else span_push(e, dst, base + g.s, base + g.e, 0);
+            prev_match = m;
+        }
+        if (e->status) return;
+        sp = e->sp[dst];
+        for (size_t a = first, b = e->sp_n[dst]; a + 1 < b; a++, b--) {
+            tok_span tmp = sp[a]; sp[a] = sp[b - 1]; sp[b - 1] = tmp;
+        }
+    } else {
+        for (size_t k = 0; k < e->seg_n; k++) {
+            tok_seg g = e->seg[k];
+            int m = g.match ^ invert;
+            int has_last = e->sp_n[dst] > first;
+            switch (behavior) {
+            case SPLIT_ISOLATED: span_push(e, dst, base + g.s, base + g.e, 0); break;
+            case SPLIT_REMOVED: if (!m) span_push(e, dst, base + g.s, base + g.e, 0); break;
+            case SPLIT_MERGED_PREV:
+                if (m && !prev_match && has_last) e->sp[dst][e->sp_n[dst] - 1].e = base + g.e;
+                else span_push(e, dst, base + g.s, base + g.e, 0);
+                break;
+            case SPLIT_CONTIGUOUS:
+                if (m == prev_match && has_last) e->sp[dst][e->sp_n[dst] - 1].e = base + g.e;
+                else span_push(e, dst, base + g.s, base + g.e, 0);
+                break;
+            }
+            prev_match = m;
+        }
+        if (e->status) return;
+    }
+    /* drop empty pieces */
+    sp = e->sp[dst];
+    size_t w = first;
+    for (size_t k = first; k < e->sp_n[dst]; k++) if (sp[k].e > sp[k].s) sp[w++] = sp[k];
+    e->sp_n[dst] = w;
+}
+
+/* ByteLevel: the optional prefix space, then (use_regex) GPT-2's split. */
+static void bytelevel_span(tok_enc *e, const pretok_step *st, int dst, tok_span in) {
+    int n = in.e - in.s;
+    int prefix = st->add_prefix_space && !(n > 0 && e->cp[in.s] == ' ');
+    if (!st->use_regex) { span_push(e, dst, in.s, in.e, prefix); return; }
+    e->seg_n = 0;
+    if (!prefix) {
+        segs_regex(e, &st->rx, e->cp + in.s, e->props + in.s, n);
+        if (!e->status) segs_to_spans(e, dst, SPLIT_ISOLATED, 0, in.s);
+        return;
+    }
+    /* the regex must see the space: match on a copy with it prepended */
+    if (!ENC_GROW(e, e->tcp, e->tcp_cap, (size_t)n + 1) || !ENC_GROW(e, e->tprops, e->tprops_cap, (size_t)n + 1))
+        return;
+    e->tcp[0] = ' ';
+    e->tprops[0] = unicode_latin1[' '];
+    memcpy(e->tcp + 1, e->cp + in.s, (size_t)n * sizeof *e->tcp);
+    memcpy(e->tprops + 1, e->props + in.s, (size_t)n);
+    segs_regex(e, &st->rx, e->tcp, e->tprops, n + 1);
+    for (size_t k = 0; k < e->seg_n && !e->status; k++) {
+        tok_seg g = e->seg[k];
+        if (g.e == g.s) continue;
+        if (g.s == 0) span_push(e, dst, in.s, in.s + g.e - 1, 1);
+        else span_push(e, dst, in.s + g.s - 1, in.s + g.e - 1, 0);
+    }
+}
+
+/* Pre-tokenizes and BPE-encodes a stretch of text that holds no added token. */
+static void enc_stretch(tok_enc *e, const uint8_t *text, size_t len) {
+    const tokenizer *t = e->t;
+    if (len > INT_MAX / 2) { e->status = CM384_E_CAPACITY; return; }
+    if (!ENC_GROW(e, e->cp, e->cp_cap, len + 1) || !ENC_GROW(e, e->props, e->props_cap, len + 1) ||
+        !ENC_GROW(e, e->off, e->off_cap, len + 1))
+        return;
+    int n = 0;
+    for (size_t i = 0; i < len; n++) {
+        uint32_t c;
+        int k = utf8_decode(text + i, len - i, &c);
+        e->cp[n] = c;
+        e->props[n] = c >= TOK_BAD_BYTE ? (uint8_t)UCAT_Cn : unicode_props(c);
+        e->off[n] = (uint32_t)i;
+        i += (size_t)k;
+    }
+    e->off[n] = (uint32_t)len;
+    int cur = 0;
+    e->sp_n[0] = 0;
+    span_push(e, 0, 0, n, 0);
+    for (int k = 0; k < t->n_steps && !e->status; k++) {
+        const pretok_step *st = &t->steps[k];
+        int dst = cur ^ 1;
+        e->sp_n[dst] = 0;
+        for (size_t i = 0; i < e->sp_n[cur] && !e->status; i++) {
+            tok_span in = e->sp[cur][i];
+            if (st->kind == PT_BYTELEVEL) { bytelevel_span(e, st, dst, in); continue; }
+            e->seg_n = 0;
+            if (st->kind == PT_DIGITS) segs_digits(e, e->props + in.s, in.e - in.s);
+            else if (st->is_regex) segs_regex(e, &st->rx, e->cp + in.s, e->props + in.s, in.e - in.s);
+            else segs_literal(e, st, e->cp + in.s, in.e - in.s);
+            if (!e->status) segs_to_spans(e, dst, st->behavior, st->invert, in.s);
+        }
+        cur = dst;
+    }
+    for (size_t i = 0; i < e->sp_n[cur] && !e->status; i++) {
+        tok_span p = e->sp[cur][i];
+        enc_bpe(e, text + e->off[p.s], e->off[p.e] - e->off[p.s], p.prefix);
+    }
+}
+
+/* Longest added token of trie w at text[i..len): its id, end in *end. */
+static int trie_longest(const tokenizer *t, int w, const uint8_t *text, size_t i, size_t len, size_t *end) {
+    const trie_node *nodes = t->trie[w];
+    int cur = 0, best = -1;
+    for (size_t k = i; k < len; k++) {
+        int c = nodes[cur].child;
+        while (c >= 0 && nodes[c].byte != text[k]) c = nodes[c].sibling;
+        if (c < 0) break;
+        cur = c;
+        if (nodes[cur].token >= 0) { best = nodes[cur].token; *end = k + 1; }
+    }
+    return best;
+}
+
+/* The code point that ends at text[pos] (pos > 0); its start in *start. */
+static uint32_t utf8_before(const uint8_t *text, size_t pos, size_t *start) {
+    size_t s = pos - 1;
+    while (s > 0 && pos - s < 4 && (text[s] & 0xC0) == 0x80) s--;
+    uint32_t cp;
+    if ((size_t)utf8_decode(text + s, pos - s, &cp) != pos - s) { s = pos - 1; cp = TOK_BAD_BYTE + text[s]; }
+    *start = s;
+    return cp;
+}
+
+/* single_word's idea of a word character is Rust regex's \w: Alphabetic,
+ * Mark, Decimal_Number, Connector_Punctuation, Join_Control.  Alphabetic is
+ * approximated by L, Nl and the circled / squared Latin letters. */
+static int is_word_char(uint32_t cp) {
+    if (cp >= TOK_BAD_BYTE) return 0;
+    if (cp == 0x200C || cp == 0x200D || (cp >= 0x24B6 && cp <= 0x24E9) || (cp >= 0x1F130 && cp <= 0x1F189)) return 1;
+    return ((UMASK_L | UMASK_M | UMASK(UCAT_Nd) | UMASK(UCAT_Nl) | UMASK(UCAT_Pc)) >> unicode_category(cp)) & 1;
+}
+
+/* Cuts the added tokens of trie w (0: not normalized, 1: normalized) out of
+ * text, leftmost-longest as HF's Aho-Corasick does; the stretches between go
+ * to the next trie, then to the pre-tokenizer. */
+static void enc_added(tok_enc *e, const uint8_t *text, size_t len, int w) {
+    const tokenizer *t = e->t;
+    if (w >= 2 || e->no_special) { enc_stretch(e, text, len); return; }
+    if (t->n_trie[w] <= 1) { enc_added(e, text, len, w + 1); return; }
+    size_t done = 0, i = 0;   /* done: end of the last match */
+    while (i < len && !e->status) {
+        size_t me = 0, ms = i;
+        int id = trie_longest(t, w, text, i, len, &me);
+        if (id < 0) { i++; continue; }
+        uint8_t fl = t->piece_flags[id];
+        i = me;
+        if (fl & TOKF_SINGLE_WORD) {
+            size_t st;
+            uint32_t c;
+            if (ms > 0 && is_word_char(utf8_before(text, ms, &st))) continue;
+            if (me < len && (utf8_decode(text + me, len - me, &c), is_word_char(c))) continue;
+        }
+        if (fl & TOKF_LSTRIP) {   /* swallow the white space before, back to the last match */
+            size_t st;
+            while (ms > done && unicode_is_space(utf8_before(text, ms, &st))) ms = st;
+        }
+        if (fl & TOKF_RSTRIP) {
+            uint32_t c;
+            while (me < len) {
+                int n = utf8_decode(text + me, len - me, &c);
+                if (!unicode_is_space(c)) break;
+                me += (size_t)n;
+            }
+            i = me;
+        }
+        if (done < ms) enc_added(e, text + done, ms - done, w + 1);
+        enc_emit(e, id);
+        done = me;
+    }
+    if (done < len && !e->status) enc_added(e, text + done, len - done, w + 1);
+}
+
+static int tokenizer_encode(const tokenizer *t, const char *text, size_t len, int32_t *out, int cap, unsigned flags) {
+    if (!t || (!text && len) || cap < 0 || (!out && cap > 0))
+        return fail(CM384_E_INVALID, "tokenize: bad argument");
+    tok_enc e;
+    memset(&e, 0, sizeof e);
+    e.t = t; e.out = out; e.cap = cap;
+    e.no_special = (flags & CM384_TOK_NO_SPECIAL) != 0;
+    if ((flags & CM384_TOK_ADD_BOS) && t->bos_id >= 0) enc_emit(&e, t->bos_id);
+    if (len) enc_added(&e, (const uint8_t *)text, len, 0);
+    free(e.cp); free(e.props); free(e.off); free(e.tcp); free(e.tprops);
+    free(e.sp[0]); free(e.sp[1]); free(e.seg);
+    free(e.vm.stack); free(e.vm.slots);
+    free(e.sym); free(e.prev); free(e.next); free(e.heap); free(e.word);
+    free(e.cache); free(e.ckeys); free(e.cids);
+    if (e.status == CM384_E_NOMEM) return fail(CM384_E_NOMEM, "tokenize: out of memory (%zu bytes of text)", len);
+    if (e.status) return fail(e.status, "tokenize: text too long (%zu bytes)", len);
+    if (e.count > INT_MAX) return fail(CM384_E_CAPACITY, "tokenize: more than INT_MAX tokens");
+    return (int)e.count;
+}
+
+/* ---- 3e. Decoding ------------------------------------------------------- */
+
 static int tokenizer_decode(const tokenizer *t, const int32_t *ids, int n, char *out, size_t cap) {
-    (void)t; (void)ids; return copy_out("????????????????", (size_t)(n < 16 ? n : 16), out, cap);
+    if (!t || n < 0 || (n > 0 && !ids) || (!out && cap > 0)) return fail(CM384_E_INVALID, "detokenize: bad argument");
+    for (int i = 0; i < n; i++)
+        if (ids[i] < 0 || ids[i] >= t->n_ids)
+            return fail(CM384_E_INVALID, "detokenize: token id %d at position %d out of range [0, %d)",
+                        (int)ids[i], i, t->n_ids);
+    tok_sink k = {out, cap ? cap - 1 : 0, 0};
+    uint8_t pend[4];
+    int np = 0;
+    for (int i = 0; i < n; i++) {
+        const uint8_t *p = (const uint8_t *)t->piece_bytes + t->piece_off[ids[i]];
+        const uint8_t *end = (const uint8_t *)t->piece_bytes + t->piece_off[ids[i] + 1];
+        for (; p < end; p++) utf8_lossy_byte(&k, pend, &np, *p);
+    }
+    if (np) sink_put(&k, utf8_fffd, 3);
+    if (cap) out[k.n < cap - 1 ? k.n : cap - 1] = 0;
+    if (k.n > INT_MAX) return fail(CM384_E_CAPACITY, "detokenize: text longer than INT_MAX");
+    return (int)k.n;
 }
-static int chat_render(const tokenizer *t, const cm384_chat_msg *msgs, int n, unsigned flags, char *out, size_t cap) {
-    (void)t; (void)msgs; (void)n; (void)flags; (void)out; (void)cap; return CM384_E_UNSUPPORTED;
-}
+
+/* Streaming: the struct keeps the incomplete tail of a code point (at most
+ * 3 bytes).  Working on a copy of it lets a call that runs out of room
+ * return CM384_E_CAPACITY with the stream unchanged. */
 static int detok_stream_push(const tokenizer *t, cm384_detok_stream *s, int32_t id, char *out, size_t cap) {
-    (void)t; (void)s; (void)id; (void)out; (void)cap; return 0;
+    if (!t || !s || (!out && cap > 0)) return fail(CM384_E_INVALID, "detok_stream_push: bad argument");
+    if (id < 0 || id >= t->n_ids) return fail(CM384_E_INVALID, "token id %d out of range [0, %d)", (int)id, t->n_ids);
+    if (s->n_pending < 0 || s->n_pending > 3) return fail(CM384_E_INVALID, "detok stream not initialized");
+    uint8_t pend[4];
+    int np = s->n_pending;
+    memcpy(pend, s->pending, (size_t)np);
+    tok_sink k = {out, cap, 0};
+    const uint8_t *p = (const uint8_t *)t->piece_bytes + t->piece_off[id];
+    const uint8_t *end = (const uint8_t *)t->piece_bytes + t->piece_off[id + 1];
+    for (; p < end; p++) utf8_lossy_byte(&k, pend, &np, *p);
+    if (k.n > cap)
+        return fail(CM384_E_CAPACITY, "detok_stream_push: token %d needs %zu bytes, have %zu (%zu always suffice)",
+                    (int)id, k.n, cap, tokenizer_stream_cap(t));
+    memcpy(s->pending, pend, (size_t)np);
+    s->n_pending = np;
+    return (int)k.n;
 }
-static int detok_stream_flush(cm384_detok_stream *s, char *out, size_t cap) { (void)s; (void)out; (void)cap; return 0; }
-#endif
+
+static int detok_stream_flush(cm384_detok_stream *s, char *out, size_t cap) {
+    if (!s || (!out && cap > 0)) return fail(CM384_E_INVALID, "detok_stream_flush: bad argument");
+    if (s->n_pending <= 0) { s->n_pending = 0; return 0; }
+    if (cap < 3) return fail(CM384_E_CAPACITY, "detok_stream_flush: needs 3 bytes");
+    memcpy(out, utf8_fffd, 3);
+    s->n_pending = 0;
+    return 3;
+}
+
+/* ---- 3f. Chat format ---------------------------------------------------- */
+/* DeepSeek-V3's chat template (tokenizer_config.json), reproduced in C.  What
+ * it does, in the template's own terms:
+ *   - BOS text, then every system message's content joined by "\n\n";
+ *   - user: "<｜User｜>" + content;
+ *   - assistant with content: "<｜Assistant｜>" + content + "<｜end▁of▁sentence｜>",
+ *     or, right after tool outputs, "<｜tool▁outputs▁end｜>" + content + EOS;
+ *   - assistant without content (tool calls): the first tool call of the
+ *     whole conversation opens "<｜Assistant｜><｜tool▁calls▁begin｜>"; later
+ *     calls (ns.is_first is never reset) start with "\n" and are each
+ *     followed by "<｜tool▁calls▁end｜><｜end▁of▁sentence｜>", so a lone call
+ *     never closes (the original V3 quirk);
+ *   - tool: the first tool output of the conversation opens
+ *     "<｜tool▁outputs▁begin｜>", later ones start with "\n";
+ *   - after the loop, "<｜tool▁outputs▁end｜>" if the last turn was a tool
+ *     output, else "<｜Assistant｜>" when a generation prompt is asked for.
+ * An assistant message with content takes the content branch and its tool
+ * calls are not written (as in V3's template).  Unknown roles are skipped.
+ * Content NULL is only allowed for an assistant (the template would fail on
+ * "a" + none).  BOS is tokenizer_config.json's bos_token text ("" without
+ * one); without a chat_template the V3 format is used all the same.
+ * If the template looks like DeepSeek-R1's (it mentions "</think>"), an
+ * assistant's content in history keeps only what follows the last
+ * "</think>", as R1's template does, and if it ends the generation prompt
+ * with "<think>\n" so does this.  Only V3's behaviour is tested. */
+
+static void sink_str(tok_sink *k, const char *s) { sink_put(k, s, strlen(s)); }
+
+static void chat_tool_call(tok_sink *k, const cm384_tool_call *tc) {
+    sink_str(k, tc->type ? tc->type : "function");
+    sink_str(k, "<｜tool▁sep｜>");
+    sink_str(k, tc->name);
+    sink_str(k, "\n```json\n");
+    sink_str(k, tc->arguments);
+    sink_str(k, "\n```<｜tool▁call▁end｜>");
+}
+
+static int chat_render(const tokenizer *t, const cm384_chat_msg *msgs, int n, unsigned flags, char *out, size_t cap) {
+    if (!t || n < 0 || (n > 0 && !msgs) || (!out && cap > 0)) return fail(CM384_E_INVALID, "chat_render: bad argument");
+    for (int i = 0; i < n; i++) {
+        const cm384_chat_msg *m = &msgs[i];
+        if (!m->role) return fail(CM384_E_INVALID, "chat_render: message %d has no role", i);
+        if (!m->content && (!strcmp(m->role, "user") || !strcmp(m->role, "system") || !strcmp(m->role, "tool")))
+            return fail(CM384_E_INVALID, "chat_render: message %d (%s) has no content", i, m->role);
+        if (m->n_tool_calls < 0 || (m->n_tool_calls > 0 && !m->tool_calls))
+            return fail(CM384_E_INVALID, "chat_render: message %d has bad tool calls", i);
+        for (int j = 0; j < m->n_tool_calls; j++)
+            if (!m->tool_calls[j].name || !m->tool_calls[j].arguments)
+                return fail(CM384_E_INVALID, "chat_render: message %d tool call %d needs a name and arguments", i, j);
+    }
+    tok_sink k = {out, cap ? cap - 1 : 0, 0};
+    sink_str(&k, t->bos_text);
+    int first_sp = 1;
+    for (int i = 0; i < n; i++) {
+        if (strcmp(msgs[i].role, "system")) continue;
+        if (!first_sp) sink_str(&k, "\n\n");
+        sink_str(&k, msgs[i].content);
+        first_sp = 0;
+    }
+    int is_first = 0, is_tool = 0, is_output_first = 1;
+    for (int i = 0; i < n; i++) {
+        const cm384_chat_msg *m = &msgs[i];
+        if (!strcmp(m->role, "user")) {
+            is_tool = 0;
+            sink_str(&k, "<｜User｜>");
+            sink_str(&k, m->content);
+        } else if (!strcmp(m->role, "assistant") && !m->content) {
+            is_tool = 0;
+            for (int j = 0; j < m->n_tool_calls; j++) {
+                if (!is_first) {
+                    sink_str(&k, "<｜Assistant｜><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>");
+                    chat_tool_call(&k, &m->tool_calls[j]);
+                    is_first = 1;
+                } else {
+                    sink_str(&k, "\n<｜tool▁call▁begin｜>");
+                    chat_tool_call(&k, &m->tool_calls[j]);
+                    sink_str(&k, "<｜tool▁calls▁end｜><｜end▁of▁sentence｜>");
+                }
+            }
+        } else if (!strcmp(m->role, "assistant")) {
+            if (is_tool) {
+                sink_str(&k, "<｜tool▁outputs▁end｜>");
+                sink_str(&k, m->content);
+                sink_str(&k, "<｜end▁of▁sentence｜>");
+                is_tool = 0;
+            } else {
+                const char *c = m->content, *th;
+                if (t->chat_r1)
+                    while ((th = strstr(c, "</think>"))) c = th + 8;
+                sink_str(&k, "<｜Assistant｜>");
+                sink_str(&k, c);
+                sink_str(&k, "<｜end▁of▁sentence｜>");
+            }
+        } else if (!strcmp(m->role, "tool")) {
+            is_tool = 1;
+            sink_str(&k, is_output_first ? "<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>" : "\n<｜tool▁output▁begin｜>");
+            sink_str(&k, m->content);
+            sink_str(&k, "<｜tool▁output▁end｜>");
+            is_output_first = 0;
+        }
+    }
+    if (is_tool) sink_str(&k, "<｜tool▁outputs▁end｜>");
+    if ((flags & CM384_CHAT_ADD_GENERATION_PROMPT) && !is_tool)
+        sink_str(&k, t->chat_r1_think ? "<｜Assistant｜><think>\n" : "<｜Assistant｜>");
+    if (cap) out[k.n < cap - 1 ? k.n : cap - 1] = 0;
+    if (k.n > INT_MAX) return fail(CM384_E_CAPACITY, "chat_render: text longer than INT_MAX");
+    return (int)k.n;
+}
 
 /* ======================================================================== */
 /* 4. Checkpoint loading                                                    */
@@ -3733,7 +6041,7 @@ int cm384_report(cm384_engine *e, char *buf, size_t cap) {
         for (int s = 0; s < e->n_dev; s++)
             for (int d = 0; d < e->n_dev; d++)
                 by[e->dev[s].roles & 15][e->dev[d].roles & 15] += atomic_load(&e->traffic[(size_t)s * e->n_dev + d]);
-        sb_printf(&b, "traffic matrix by role (MB, rows send, columns receive):\n");
+        sb_puts(&b, "traffic matrix by role (MB, rows send, columns receive):\n");
         for (int s = 0; s < 16; s++)
             for (int d = 0; d < 16; d++)
                 if (by[s][d]) sb_printf(&b, "  %-24s -> %-24s %10.2f\n", role_name((unsigned)s), role_name((unsigned)d), mb_of(by[s][d]));
@@ -4059,6 +6367,7 @@ int cm384_submit(cm384_engine *e, const cm384_request *req, uint64_t *id_out) {
     r->cap_tokens = (int)cap_tokens;
     r->cap_blocks = (e->max_ctx + e->kv.block_tokens - 1) / e->kv.block_tokens + 1;
     r->text_cap = 512;
+    if (m->tok && (size_t)tokenizer_stream_cap(m->tok) > r->text_cap) r->text_cap = (size_t)tokenizer_stream_cap(m->tok);
     r->tokens = CM384_MALLOC((size_t)r->cap_tokens * sizeof(int32_t));
     r->blocks = CM384_MALLOC((size_t)r->cap_blocks * sizeof(int));
     r->text = CM384_MALLOC(r->text_cap);
@@ -4319,6 +6628,21 @@ int cm384_detok_stream_push(const cm384_model *m, cm384_detok_stream *s, int32_t
 int cm384_detok_stream_flush(cm384_detok_stream *s, char *out, size_t cap) {
     if (!s) return fail(CM384_E_INVALID, "cm384_detok_stream_flush: NULL stream");
     return detok_stream_flush(s, out, cap);
+}
+
+int cm384_token_text(const cm384_model *m, int32_t id, char *out, size_t cap) {
+    int r = need_tokenizer(m, "cm384_token_text");
+    if (r) return r;
+    const char *bytes;
+    int len;
+    if (id < 0 || id >= tokenizer_n_ids(m->tok) || tokenizer_piece(m->tok, id, &bytes, &len))
+        return fail(CM384_E_INVALID, "cm384_token_text: %d is not a token", id);
+    return copy_out(bytes, (size_t)len, out, cap);
+}
+
+int cm384_token_is_special(const cm384_model *m, int32_t id) {
+    if (!m || !m->tok || id < 0 || id >= tokenizer_n_ids(m->tok)) return 0;
+    return tokenizer_is_special(m->tok, id);
 }
 
 int cm384_chat_render(const cm384_model *m, const cm384_chat_msg *msgs, int n, unsigned flags, char *out, size_t cap) {

@@ -208,6 +208,13 @@ CM384_API int cm384_tokenize(const cm384_model *m, const char *text, size_t len,
 CM384_API int cm384_detokenize(const cm384_model *m, const int32_t *ids, int n,
                                char *out, size_t cap);
 
+/* The raw bytes of one token (not necessarily valid UTF-8 on its own: a token
+ * can hold part of a character).  snprintf convention. */
+CM384_API int cm384_token_text(const cm384_model *m, int32_t id, char *out, size_t cap);
+
+/* 1 if id is an added token marked special (BOS, EOS, pad, ...), else 0. */
+CM384_API int cm384_token_is_special(const cm384_model *m, int32_t id);
+
 /* Streaming decode that never splits a UTF-8 code point: push ids one at a
  * time; each call returns the bytes that became complete.  Bytes of an
  * invalid sequence are flushed as U+FFFD once known to be invalid.  Zero-init
@@ -215,8 +222,10 @@ CM384_API int cm384_detokenize(const cm384_model *m, const int32_t *ids, int n,
 typedef struct cm384_detok_stream { unsigned char pending[8]; int n_pending; } cm384_detok_stream;
 CM384_API void cm384_detok_stream_init(cm384_detok_stream *s);
 /* Returns the number of bytes written to out (at most cap), or a negative
- * status.  cap >= 64 always suffices for one token on the models we know; a
- * longer piece returns CM384_E_CAPACITY and changes nothing. */
+ * status.  cap = 3 + 3 x the longest token always suffices (387 bytes for
+ * DeepSeek-V3, whose longest token is 128 spaces; 512 for every tokenizer we
+ * know); a smaller cap that cannot hold the output returns CM384_E_CAPACITY
+ * and changes nothing. */
 CM384_API int  cm384_detok_stream_push(const cm384_model *m, cm384_detok_stream *s,
                                        int32_t id, char *out, size_t cap);
 /* Flushes any incomplete tail as U+FFFD. */
