@@ -4171,6 +4171,9 @@ struct cm384_engine {
     _Atomic uint64_t  dispatch_bytes, dispatch_bytes_bf16, combine_bytes, combine_bytes_bf16, n_messages;
     uint64_t          kv_handoff_bytes;
     int              *dbg_route;             /* tests: [layers][max_ctx][K] experts */
+    int              *dbg_draft;             /* tests: [max_ctx] draft made at each MTP position */
+    int               mtp;                   /* speculative decoding with MTP on  */
+    float            *blk_h;                 /* [blocks][dim] h at each block's end (MTP) */
     /* trace */
     FILE             *trace;
     trace_event      *tev;
@@ -5437,7 +5440,14 @@ struct request {
     char              *text;          /* event text                                  */
     size_t             text_cap;
     int                sampled;       /* token sampled in this step                  */
-    int                logit_row;
+    int                logit_row;     /* its first row of logits                     */
+    int                row_first;     /* its first row in the step                   */
+    /* MTP speculative decoding */
+    int                draft;         /* the MTP layer's guess at the next token, -1 */
+    int                drafting;      /* this step verifies the draft                */
+    int                accepted, sampled2;
+    int                mtp_done;      /* MTP entries 0..mtp_done-1 are computed      */
+    float             *h_prev;        /* [dim] final hidden of position n_computed-1 */
 };
 
 typedef struct done_rec { uint64_t id; int status; } done_rec;
@@ -5462,9 +5472,13 @@ typedef struct sched {
     cand     *cands;                               /* [workers][vocab]                 */
     mb_arrays mba[2];
     int      *dev_of;                              /* [step_cap]                       */
-    request **step_req;                            /* [step_cap] request of each row   */
     pthread_mutex_t step_mu;                       /* a step or an eval at a time      */
     uint64_t *load_mark;                           /* expert load at last rebalance    */
+    float    *hbuf;                                /* [step_cap][dim] final hidden rows */
+    float    *mtp_h;                               /* [step_cap][dim] MTP entry inputs  */
+    request **mtp_req;                             /* [step_cap]                       */
+    int      *mtp_want_row;                        /* [step_cap]                       */
+    int       mtp_n, mtp_w;                        /* MTP entries queued, with logits   */
     int       steps_since_rebalance;
 } sched;
 
@@ -5473,6 +5487,7 @@ static void request_free(request *r) {
     CM384_FREE(r->tokens);
     CM384_FREE(r->blocks);
     CM384_FREE(r->text);
+    CM384_FREE(r->h_prev);
     CM384_FREE(r);
 }
 
@@ -5538,6 +5553,8 @@ static void release_blocks(struct cm384_engine *e, request *r) {
     r->n_computed = 0;
     r->n_hashed = 0;
     r->chain = 0;
+    r->mtp_done = 0;
+    r->draft = -1;
     if (r->stage == RQ_DECODE && r->device >= 0) e->dev[r->device].n_owned--;
     r->device = -1;
 }
@@ -5608,7 +5625,7 @@ static int admit(struct cm384_engine *e, request *r) {
             matched++;
         }
     }
-    int need = (r->n_tokens + B - 1) / B - matched;
+    int need = (r->n_tokens + e->mtp + B - 1) / B - matched;      /* MTP also writes slot n_tokens */
     if (need > blocks_available(e)) {
         for (int b = 0; b < r->n_blocks; b++) block_unref(e, r->blocks[b]);
         r->n_blocks = 0;
@@ -5618,6 +5635,10 @@ static int admit(struct cm384_engine *e, request *r) {
     r->n_computed = matched * B;
     r->n_hashed = matched;
     r->chain = parent;
+    if (e->mtp && matched) {            /* entries up to the cached prefix's end, but its last */
+        r->mtp_done = matched * B - 1;
+        memcpy(r->h_prev, e->blk_h + (size_t)r->blocks[matched - 1] * e->m->hp.dim, (size_t)e->m->hp.dim * sizeof(float));
+    }
     if (!r->admitted) {
         r->n_cached = matched * B;
         S->st.tokens_cached += (uint64_t)matched * B;
@@ -5686,6 +5707,11 @@ static void accept_token(struct cm384_engine *e, request *r, int32_t tok) {
 }
 
 /* ---- sampling as tasks ---- */
+/* A request decoding with an MTP draft has two rows: its last token and the
+ * draft.  The main model's token is sampled from the first row as always; the
+ * draft is accepted when it equals that token, and then the second row gives
+ * one more token.  Each token still takes exactly one draw from the request's
+ * generator, so MTP on or off gives the same tokens, greedy or sampled. */
 
 typedef struct sample_ctx { struct cm384_engine *e; request **req; int n; } sample_ctx;
 
@@ -5695,8 +5721,13 @@ static void t_sample(void *ctx, int i, int task, int worker) {
     struct cm384_engine *e = sc->e;
     request *r = sc->req[i];
     int V = e->m->hp.vocab;
-    r->sampled = sample_token(e->sched->logits + (size_t)r->logit_row * V, V, &r->samp, &r->rng,
-                              e->sched->cands + (size_t)worker * V);
+    cand *c = e->sched->cands + (size_t)worker * V;
+    r->sampled = sample_token(e->sched->logits + (size_t)r->logit_row * V, V, &r->samp, &r->rng, c);
+    r->accepted = 0;
+    if (r->drafting && r->sampled == r->draft) {
+        r->accepted = 1;
+        r->sampled2 = sample_token(e->sched->logits + (size_t)(r->logit_row + 1) * V, V, &r->samp, &r->rng, c);
+    }
 }
 
 static void sample_rows(struct cm384_engine *e, request **req, int n) {
@@ -5709,35 +5740,36 @@ static void sample_rows(struct cm384_engine *e, request **req, int n) {
 /* ---- the two phases ---- */
 
 /* Lays out the rows of requests rq[0..nr) (each contributing cnt[i] tokens
- * from position n_computed) into microbatch arrays, ordered by device. */
+ * from position n_computed; a drafted request's second row is its draft)
+ * into microbatch arrays, ordered by device.  Rows are numbered from `base`
+ * across the step's microbatches. */
 static int build_rows(struct cm384_engine *e, request **rq, const int *cnt, int nr, mb_arrays *a, microbatch *mb,
-                      int phase, int index, int *dev_of, int *n_want) {
+                      int phase, int index, int base, int *n_want) {
+    sched *S = e->sched;
     int n = 0, w = 0;
-    /* stable order by device */
-    for (int pass_dev = 0; pass_dev < e->n_dev; pass_dev++) {
-        int any = 0;
+    for (int dev = 0; dev < e->n_dev; dev++) {             /* stable order by device */
         for (int i = 0; i < nr; i++) {
             request *r = rq[i];
-            if (r->device != pass_dev) continue;
-            any = 1;
+            if (r->device != dev) continue;
+            r->row_first = base + n;
             for (int j = 0; j < cnt[i]; j++) {
                 int p = r->n_computed + j;
-                a->tok[n] = r->tokens[p];
+                a->tok[n] = p < r->n_tokens ? r->tokens[p] : r->draft;
                 a->pos[n] = p;
                 a->tables[n] = r->blocks;
-                a->want[n] = p == r->n_tokens - 1;
-                if (a->want[n]) r->logit_row = w++;
-                dev_of[n] = pass_dev;
-                e->sched->step_req[n] = r;
+                a->want[n] = p >= r->n_tokens - 1;
+                if (a->want[n] && p == r->n_tokens - 1) r->logit_row = w;
+                w += a->want[n];
+                S->dev_of[base + n] = dev;
                 n++;
             }
         }
-        (void)any;
     }
     memset(mb, 0, sizeof *mb);
     mb->n = n; mb->tok = a->tok; mb->pos = a->pos; mb->tables = a->tables; mb->want = a->want;
     mb->phase = phase; mb->index = index; mb->s = &e->s[index];
-    mb_make_groups(mb, a->groups, dev_of);
+    mb_make_groups(mb, a->groups, S->dev_of + base);
+    if (e->mtp) mb->h_out = S->hbuf + (size_t)base * e->m->hp.dim;
     *n_want = w;
     return n;
 }
@@ -5757,27 +5789,115 @@ static void run_phase(struct cm384_engine *e, request **rq, const int *cnt, int 
         n_mb = 2;
     }
     int w0 = 0, w1 = 0;
-    build_rows(e, rq, cnt, split, &S->mba[0], &mb[0], phase, 0, S->dev_of, &w0);
+    build_rows(e, rq, cnt, split, &S->mba[0], &mb[0], phase, 0, 0, &w0);
     mb[0].logits = S->logits;
     if (n_mb == 2) {
-        build_rows(e, rq + split, cnt + split, nr - split, &S->mba[1], &mb[1], phase, 1, S->dev_of + mb[0].n, &w1);
+        build_rows(e, rq + split, cnt + split, nr - split, &S->mba[1], &mb[1], phase, 1, mb[0].n, &w1);
         for (int i = split; i < nr; i++) rq[i]->logit_row += w0;
         mb[1].logits = S->logits + (size_t)w0 * e->m->hp.vocab;
     }
     forward_main(e, mb, n_mb);
 }
 
+/* ---- MTP: drafting the next token ---- */
+/* MTP entry i reads the main model's final hidden state h_i and token i+1
+ * and predicts token i+2; its KV row lives in slot i+1 of the MTP layer.  A
+ * request keeps its entries up to date with its computed positions (entries
+ * 0 .. n_computed-1), and the last entry's prediction is its next draft.
+ * h of the position before a step comes from the request (h_prev) or, after
+ * a context-cache hit, from the cached block (blk_h). */
+
+static void mtp_flush(struct cm384_engine *e, int phase) {
+    sched *S = e->sched;
+    if (!S->mtp_n) return;
+    mb_arrays *a = &S->mba[0];
+    microbatch mb = {0};
+    mb.n = S->mtp_n; mb.tok = a->tok; mb.pos = a->pos; mb.tables = a->tables; mb.want = a->want;
+    mb.kv_shift = 1; mb.phase = phase; mb.s = &e->s[0]; mb.logits = S->logits;
+    mb_make_groups(&mb, a->groups, S->dev_of);
+    forward_mtp(e, &mb, S->mtp_h);
+    int V = e->m->hp.vocab;
+    for (int i = 0; i < S->mtp_n; i++) {
+        if (!a->want[i]) continue;
+        const float *row = S->logits + (size_t)S->mtp_want_row[i] * V;
+        int best = 0;
+        for (int v = 1; v < V; v++) if (row[v] > row[best]) best = v;
+        S->mtp_req[i]->draft = best;
+        if (e->dbg_draft) e->dbg_draft[a->pos[i]] = best;
+    }
+    S->mtp_n = 0;
+    S->mtp_w = 0;
+}
+
+/* Brings request r's MTP entries up to n_computed - 1; `first` is the first
+ * position this step computed (its h is in hbuf at r->row_first). */
+static void mtp_add(struct cm384_engine *e, request *r, int first, int phase) {
+    sched *S = e->sched;
+    int D = e->m->hp.dim, last = r->n_computed - 1;
+    for (int pos = r->mtp_done; pos <= last; pos++) {
+        if (S->mtp_n == e->step_cap || (S->mtp_w == S->rows_cap && pos == last)) mtp_flush(e, phase);
+        int i = S->mtp_n++;
+        mb_arrays *a = &S->mba[0];
+        a->tok[i] = r->tokens[pos + 1];
+        a->pos[i] = pos;
+        a->tables[i] = r->blocks;
+        a->want[i] = pos == last;
+        S->dev_of[i] = r->device;
+        S->mtp_req[i] = r;
+        if (a->want[i]) S->mtp_want_row[i] = S->mtp_w++;
+        const float *h = pos >= first ? S->hbuf + ((size_t)r->row_first + (pos - first)) * D : r->h_prev;
+        memcpy(S->mtp_h + (size_t)i * D, h, (size_t)D * sizeof(float));
+    }
+    r->mtp_done = last + 1;
+    /* remember h of the last computed position, and of block ends for the cache */
+    int B = e->kv.block_tokens;
+    for (int pos = first; pos <= last; pos++) {
+        const float *h = S->hbuf + ((size_t)r->row_first + (pos - first)) * D;
+        if (pos % B == B - 1) memcpy(e->blk_h + (size_t)r->blocks[pos / B] * D, h, (size_t)D * sizeof(float));
+        if (pos == last) memcpy(r->h_prev, h, (size_t)D * sizeof(float));
+    }
+}
+
+/* Runs the MTP entries of the requests a step touched, device by device. */
+static void mtp_step(struct cm384_engine *e, request **rq, const int *first, int nr, int phase) {
+    sched *S = e->sched;
+    for (int dev = 0; dev < e->n_dev; dev++)
+        for (int i = 0; i < nr; i++) if (rq[i]->device == dev) mtp_add(e, rq[i], first[i], phase);
+    mtp_flush(e, phase);
+    (void)S;
+}
+
+/* Makes sure r's block table reaches position pos, preempting the most
+ * recently admitted requests if the pool is full.  Returns 0, or -1 if r
+ * itself had to be preempted. */
+static int ensure_blocks(struct cm384_engine *e, request *r, int pos) {
+    sched *S = e->sched;
+    int B = e->kv.block_tokens;
+    while (pos / B >= r->n_blocks) {
+        int b = block_get(e);
+        while (b < 0) {
+            request *victim = S->run[S->n_run - 1];
+            preempt(e, victim);
+            if (victim == r) return -1;
+            b = block_get(e);
+        }
+        r->blocks[r->n_blocks++] = b;
+    }
+    return 0;
+}
+
 static void prefill_step(struct cm384_engine *e) {
     sched *S = e->sched;
     request *rq[1024];
-    int cnt[1024], nr = 0, budget = e->cfg.prefill_chunk, rows = 0;
+    int cnt[1024], first[1024], nr = 0, budget = e->cfg.prefill_chunk, rows = 0;
     for (int i = 0; i < S->n_run && budget > 0 && nr < 1024; i++) {
         request *r = S->run[i];
         int left = r->n_tokens - r->n_computed;
         if (r->stage != RQ_PREFILL || left <= 1) continue;
         int take = left < budget ? left : budget;
         if (take == left && rows >= S->rows_cap) continue;       /* no logits row left */
-        rq[nr] = r; cnt[nr] = take; nr++;
+        r->drafting = 0;
+        rq[nr] = r; cnt[nr] = take; first[nr] = r->n_computed; nr++;
         budget -= take;
         rows += take == left;
     }
@@ -5793,6 +5913,8 @@ static void prefill_step(struct cm384_engine *e) {
         offer_blocks(e, rq[i]);
     }
     sample_rows(e, done_rq, nd);
+    for (int i = 0; i < nd; i++) done_rq[i]->tokens[done_rq[i]->n_tokens] = done_rq[i]->sampled;   /* t_P for MTP */
+    if (e->mtp) mtp_step(e, rq, first, nr, PHASE_PREFILL);
     S->st.prefill_seconds += (now_ms() - t0) / 1e3;
     for (int i = 0; i < nd; i++) {
         request *r = done_rq[i];
@@ -5804,36 +5926,40 @@ static void prefill_step(struct cm384_engine *e) {
 
 static void decode_step(struct cm384_engine *e) {
     sched *S = e->sched;
-    int B = e->kv.block_tokens;
     request *rq[4096];
-    int cnt[4096], nr = 0;
-    for (int i = 0; i < S->n_run && nr < S->decode_cap && nr < S->rows_cap; i++) {
+    int cnt[4096], first[4096], nr = 0, rows = 0;
+    for (int i = 0; i < S->n_run && nr < S->decode_cap && rows + 2 <= S->rows_cap && nr < 4096; i++) {
         request *r = S->run[i];
         if (r->n_tokens - r->n_computed != 1) continue;
         if (r->stage == RQ_PREFILL) hand_off(e, r);            /* everything but the last token was cached */
-        /* the block for this position */
-        if ((r->n_tokens - 1) / B >= r->n_blocks) {
-            int b = block_get(e);
-            while (b < 0) {
-                request *victim = S->run[S->n_run - 1];
-                preempt(e, victim);
-                if (victim == r) break;
-                b = block_get(e);
-            }
-            if (b < 0) { i--; continue; }       /* r itself was preempted: the list shifted */
-            r->blocks[r->n_blocks++] = b;
-        }
-        rq[nr] = r; cnt[nr] = 1; nr++;
+        /* with a draft: rows for the last token and the draft, if both fit */
+        int n = r->n_tokens;
+        r->drafting = e->mtp && r->draft >= 0 && n + 1 < e->max_ctx && r->n_generated + 2 <= r->samp.max_tokens;
+        int last_slot = n - 1 + (e->mtp ? 1 : 0) + r->drafting;          /* MTP writes slot n_computed */
+        if (ensure_blocks(e, r, last_slot)) { i--; continue; }           /* r was preempted: the list shifted */
+        rq[nr] = r; cnt[nr] = 1 + r->drafting; first[nr] = n - 1; nr++;
+        rows += cnt[nr - 1];
     }
     /* a preemption may have removed a request already listed */
     int k = 0;
-    for (int i = 0; i < nr; i++) if (rq[i]->stage == RQ_DECODE) rq[k++] = rq[i];
+    for (int i = 0; i < nr; i++)
+        if (rq[i]->stage == RQ_DECODE) { rq[k] = rq[i]; cnt[k] = cnt[i]; first[k] = first[i]; k++; }
     nr = k;
     if (!nr) return;
     double t0 = now_ms();
     run_phase(e, rq, cnt, nr, PHASE_DECODE);
-    for (int i = 0; i < nr; i++) rq[i]->n_computed = rq[i]->n_tokens;
     sample_rows(e, rq, nr);
+    for (int i = 0; i < nr; i++) {
+        request *r = rq[i];
+        int n = r->n_tokens;
+        r->tokens[n] = r->sampled;
+        r->n_computed = n;
+        if (r->drafting) {
+            S->st.mtp_drafted++;
+            if (r->accepted) { S->st.mtp_accepted++; r->tokens[n + 1] = r->sampled2; r->n_computed = n + 1; }
+        }
+    }
+    if (e->mtp) mtp_step(e, rq, first, nr, PHASE_DECODE);
     double dt = now_ms() - t0;
     S->st.decode_seconds += dt / 1e3;
     if (e->cfg.tpot_target_ms > 0) {                /* SLO: shrink or grow the batch */
@@ -5841,8 +5967,14 @@ static void decode_step(struct cm384_engine *e) {
         else if (dt < 0.8 * e->cfg.tpot_target_ms && S->decode_cap < S->max_run) S->decode_cap++;
     }
     for (int i = 0; i < nr; i++) {
-        accept_token(e, rq[i], rq[i]->sampled);
-        check_stop(e, rq[i]);
+        request *r = rq[i];
+        int second = r->drafting && r->accepted;
+        accept_token(e, r, r->sampled);
+        if (check_stop(e, r)) continue;
+        if (second) {
+            accept_token(e, r, r->sampled2);
+            check_stop(e, r);
+        }
     }
     if (e->place[PHASE_DECODE].max_rep > 1 && ++S->steps_since_rebalance >= 32) {
         /* EPLB: re-place redundant experts from the load measured since last time */
@@ -6196,7 +6328,13 @@ static void carve_pool(struct cm384_engine *e, carver *c) {
         S->mba[i].groups = carve(c, ((size_t)max_groups + 1) * sizeof(dev_group));
     }
     S->dev_of = carve(c, (size_t)e->step_cap * sizeof(int));
-    S->step_req = carve(c, (size_t)e->step_cap * sizeof(request *));
+    if (e->mtp) {
+        S->hbuf = carve(c, (size_t)e->step_cap * hp->dim * sizeof(float));
+        S->mtp_h = carve(c, (size_t)e->step_cap * hp->dim * sizeof(float));
+        S->mtp_req = carve(c, (size_t)e->step_cap * sizeof(request *));
+        S->mtp_want_row = carve(c, (size_t)e->step_cap * sizeof(int));
+        e->blk_h = carve(c, (size_t)NB * hp->dim * sizeof(float));
+    }
     if (c->base) {
         for (int b = 0; b < NB; b++) {
             e->bm[b] = (block_meta){0, 0, 0, 0, 0, -1, -1, -1, toks + (size_t)b * B};
@@ -6262,7 +6400,9 @@ int cm384_engine_create(const cm384_model *m, const cm384_config *cfg, cm384_eng
         pthread_mutex_init(&S->step_mu, NULL);
         S->max_run = c.max_batch;
         S->decode_cap = c.max_batch;
-        S->rows_cap = c.max_batch + 16 < e->step_cap ? c.max_batch + 16 : e->step_cap;
+        e->mtp = c.mtp && hp->n_mtp > 0;
+        int rows = (e->mtp ? 2 : 1) * c.max_batch + 16;       /* a draft adds a row */
+        S->rows_cap = rows < e->step_cap ? rows : e->step_cap;
         kv_pool *kv = &e->kv;
         kv->block_tokens = c.kv_block_tokens;
         kv->n_layers = hp->n_layers + hp->n_mtp;
@@ -6390,6 +6530,11 @@ int cm384_submit(cm384_engine *e, const cm384_request *req, uint64_t *id_out) {
     r->fn = q.on_event;
     r->user = q.user;
     r->device = -1;
+    r->draft = -1;
+    if (e->mtp && !(r->h_prev = CM384_CALLOC((size_t)m->hp.dim, sizeof(float)))) {
+        request_free(r);
+        return fail(CM384_E_NOMEM, "out of memory");
+    }
     r->t_submit = now_ms();
     cm384_detok_stream_init(&r->ds);
     sched *S = e->sched;

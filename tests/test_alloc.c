@@ -45,10 +45,10 @@ static void wait_for(int n) {
     while (min_produced() < n) { struct timespec ts = {0, 1000000}; nanosleep(&ts, NULL); }
 }
 
-static void run(cm384_model *m, const char *preset, int int8_dispatch, int microbatches) {
+static void run(cm384_model *m, const char *preset, int int8_dispatch, int microbatches, int mtp) {
     cm384_config c;
     cm384_config_init(&c);
-    c.n_workers = 2; c.preset = preset; c.int8_dispatch = int8_dispatch; c.microbatches = microbatches;
+    c.n_workers = 2; c.preset = preset; c.int8_dispatch = int8_dispatch; c.microbatches = microbatches; c.mtp = mtp;
     cm384_engine *e;
     if (cm384_engine_create(m, &c, &e)) { CHECK(0, "engine: %s", cm384_last_error()); return; }
     cm384_sampling s;
@@ -71,8 +71,8 @@ static void run(cm384_model *m, const char *preset, int int8_dispatch, int micro
     atomic_store(&counting, 0);
     int steps = min_produced() - before;
     long n = atomic_load(&n_alloc);
-    printf("  %-8s int8 dispatch %d, %d microbatch%s: %ld allocations during %d+ decode steps of %d requests\n",
-           preset, int8_dispatch, microbatches, microbatches > 1 ? "es" : "", n, steps, NREQ);
+    printf("  %-8s int8 dispatch %d, %d microbatch%s%s: %ld allocations during %d+ decode steps of %d requests\n",
+           preset, int8_dispatch, microbatches, microbatches > 1 ? "es" : "", mtp ? ", MTP" : "", n, steps, NREQ);
     CHECK(n == 0 && steps >= 30, "%ld allocations on the token path", n);
     cm384_engine_free(e);
 }
@@ -81,9 +81,10 @@ int main(void) {
     cm384_model *m;
     if (cm384_model_load("tests/fixtures/tiny-dsv3", NULL, &m)) { printf("%s\n", cm384_last_error()); return 1; }
     printf("allocations on the per-token path:\n");
-    run(m, "default", 1, 2);
-    run(m, "paper", 0, 2);
-    run(m, "single", 1, 1);
+    run(m, "default", 1, 2, 0);
+    run(m, "paper", 0, 2, 0);
+    run(m, "single", 1, 1, 0);
+    run(m, "default", 1, 2, 1);
     cm384_model_free(m);
     return test_summary("alloc");
 }

@@ -41,6 +41,8 @@ static int on_event(void *user, const cm384_event *ev) {
     return 0;
 }
 
+static int with_mtp;        /* engines made next use MTP speculative decoding */
+static float temperature;   /* requests submitted next sample at this temperature */
 static uint64_t rng = 12345;
 static int rnd(int n) { rng = rng * 6364136223846793005ull + 1442695040888963407ull; return (int)((rng >> 33) % (uint64_t)n); }
 
@@ -62,6 +64,9 @@ static void submit_job(cm384_engine *e, job *j) {
     cm384_sampling s;
     cm384_sampling_init(&s);
     s.max_tokens = j->max_tokens;
+    s.temperature = temperature;
+    s.top_p = temperature > 0 ? 0.9f : 1.0f;
+    s.seed = (uint64_t)j->n_prompt * 7919u;
     cm384_request rq;
     cm384_request_init(&rq);
     rq.ids = j->prompt; rq.n_ids = j->n_prompt; rq.sampling = &s; rq.tenant = j->tenant;
@@ -70,10 +75,11 @@ static void submit_job(cm384_engine *e, job *j) {
     if (r) printf("  submit failed: %s\n", cm384_last_error());
 }
 
+
 static cm384_engine *engine(cm384_model *m, const char *preset, int workers, int devices, int mbs, int int8) {
     cm384_config c;
     cm384_config_init(&c);
-    c.preset = preset; c.n_workers = workers; c.microbatches = mbs; c.int8_dispatch = int8;
+    c.preset = preset; c.n_workers = workers; c.microbatches = mbs; c.int8_dispatch = int8; c.mtp = with_mtp;
     if (devices) c.n_devices = devices;
     c.max_ctx = m->hp.max_pos < 512 ? m->hp.max_pos : 512;
     cm384_engine *e = NULL;
@@ -98,21 +104,25 @@ static void exactness(cm384_model *m) {
     cm384_engine *e = engine(m, "single", 1, 0, 1, 0);
     for (int i = 0; i < N; i++) { reset_outputs(&ref[i], 1); submit_job(e, &ref[i]); cm384_wait_all(e); }
     cm384_engine_free(e);
-    struct { const char *name, *preset; int workers, devices, mbs; } topo[] = {
-        {"1 device, 1 worker", "single", 1, 0, 1},
-        {"1 device, 2 workers", "single", 2, 0, 2},
-        {"default, 2 workers", "default", 2, 0, 2},
-        {"default, 1 worker", "default", 1, 0, 2},
-        {"one expert per device (20 devices)", "default", 2, 20, 1},
-        {"4 devices (4 experts each)", "default", 2, 4, 2},
-        {"paper preset, 384 devices", "paper", 2, 384, 2},
+    struct { const char *name, *preset; int workers, devices, mbs, mtp; } topo[] = {
+        {"1 device, 1 worker", "single", 1, 0, 1, 0},
+        {"1 device, 2 workers", "single", 2, 0, 2, 0},
+        {"default, 2 workers", "default", 2, 0, 2, 0},
+        {"default, 1 worker", "default", 1, 0, 2, 0},
+        {"one expert per device (20 devices)", "default", 2, 20, 1, 0},
+        {"4 devices (4 experts each)", "default", 2, 4, 2, 0},
+        {"paper preset, 384 devices", "paper", 2, 384, 2, 0},
+        {"default + MTP speculative decoding", "default", 2, 0, 2, 1},
+        {"paper + MTP speculative decoding", "paper", 2, 384, 2, 1},
     };
     printf("exactness: %d concurrent requests vs each alone on one device\n", N);
     for (size_t k = 0; k < sizeof topo / sizeof topo[0]; k++) {
-        if (quick && k > 2 && k != 6) continue;
+        if (quick && k > 2 && k < 6) continue;
         memcpy(got, ref, (size_t)N * sizeof *got);
         reset_outputs(got, N);
+        with_mtp = topo[k].mtp;
         e = engine(m, topo[k].preset, topo[k].workers, topo[k].devices, topo[k].mbs, 0);
+        with_mtp = 0;
         if (!e) { CHECK(0, "engine for %s", topo[k].name); continue; }
         double t0 = now_ms();
         for (int i = 0; i < N; i++) submit_job(e, &got[i]);
@@ -123,11 +133,49 @@ static void exactness(cm384_model *m) {
         cm384_stats st;
         st.struct_size = sizeof st;
         cm384_get_stats(e, &st);
-        printf("  %-36s %2d/%d identical, %d/%d single final event, %6.0f ms, %3d devices used for experts\n",
+        printf("  %-36s %2d/%d identical, %d/%d single final event, %6.0f ms, %3d devices used for experts",
                topo[k].name, same, N, one_final, N, dt, st.n_expert_devices);
+        if (topo[k].mtp) printf(", MTP %llu/%llu drafts accepted", (unsigned long long)st.mtp_accepted, (unsigned long long)st.mtp_drafted);
+        printf("\n");
+        if (topo[k].mtp) CHECK(st.mtp_drafted > 0, "%s: no MTP drafts", topo[k].name);
         CHECK(same == N && one_final == N, "%s: %d/%d requests identical", topo[k].name, same, N);
         cm384_engine_free(e);
     }
+    free(ref);
+    free(got);
+}
+
+/* ---- sampling is reproducible: same seed, same tokens, with or without MTP
+   and whatever else runs ---- */
+static void sampled(cm384_model *m) {
+    int N = quick ? 6 : 16;
+    printf("temperature 0.8, top-p 0.9, per-request seeds:\n");
+    job *ref = calloc((size_t)N, sizeof *ref), *got = calloc((size_t)N, sizeof *got);
+    make_jobs(ref, N, 60, 32);
+    temperature = 0.8f;
+    cm384_engine *e = engine(m, "single", 1, 0, 1, 0);
+    for (int i = 0; i < N; i++) { reset_outputs(&ref[i], 1); submit_job(e, &ref[i]); cm384_wait_all(e); }
+    cm384_engine_free(e);
+    for (int pass = 0; pass < 2; pass++) {
+        memcpy(got, ref, (size_t)N * sizeof *got);
+        reset_outputs(got, N);
+        with_mtp = pass;
+        e = engine(m, "default", 2, 0, 2, 0);
+        with_mtp = 0;
+        for (int i = 0; i < N; i++) submit_job(e, &got[i]);
+        cm384_wait_all(e);
+        cm384_stats st;
+        st.struct_size = sizeof st;
+        cm384_get_stats(e, &st);
+        cm384_engine_free(e);
+        int same = 0;
+        for (int i = 0; i < N; i++) same += same_tokens(&got[i], &ref[i]);
+        printf("  %d concurrent, %s: %d/%d identical to one-at-a-time runs", N, pass ? "MTP on" : "MTP off", same, N);
+        if (pass) printf(" (%llu/%llu drafts accepted)", (unsigned long long)st.mtp_accepted, (unsigned long long)st.mtp_drafted);
+        printf("\n");
+        CHECK(same == N, "sampled requests differ (%s)", pass ? "MTP" : "no MTP");
+    }
+    temperature = 0;
     free(ref);
     free(got);
 }
@@ -231,27 +279,29 @@ static void exhaustion(cm384_model *m) {
     for (int i = 0; i < N; i++) submit_job(e, &ref[i]);
     cm384_wait_all(e);
     cm384_engine_free(e);
-    memcpy(got, ref, (size_t)N * sizeof *got);
-    reset_outputs(got, N);
-    cm384_config c;
-    cm384_config_init(&c);
-    c.n_workers = 2; c.int8_dispatch = 0; c.max_ctx = 128; c.kv_block_tokens = 16;
-    size_t block = (size_t)(m->hp.n_layers + m->hp.n_mtp) * 16 * (m->hp.kv_lora + m->hp.qk_rope) * sizeof(float);
-    c.kv_pool_bytes = 10 * 6 * block;              /* a request needs up to 6 blocks */
-    cm384_engine_create(m, &c, &e);
-    for (int i = 0; i < N; i++) submit_job(e, &got[i]);
-    cm384_wait_all(e);
-    cm384_stats st;
-    st.struct_size = sizeof st;
-    cm384_get_stats(e, &st);
-    cm384_engine_free(e);
-    int same = 0, finals = 0;
-    for (int i = 0; i < N; i++) { same += same_tokens(&got[i], &ref[i]); finals += got[i].finals == 1; }
-    printf("  %d/%d finished with one final event, %d/%d identical to the unconstrained run; %llu preemptions, "
-           "%llu blocks in the pool\n", finals, N, same, N, (unsigned long long)st.requests_preempted,
-           (unsigned long long)st.kv_blocks_total);
-    CHECK(finals == N && same == N, "exhaustion: %d finals, %d identical of %d", finals, same, N);
-    CHECK(st.requests_done == (uint64_t)N, "stats say %llu done", (unsigned long long)st.requests_done);
+    for (int mtp = 0; mtp < 2; mtp++) {
+        memcpy(got, ref, (size_t)N * sizeof *got);
+        reset_outputs(got, N);
+        cm384_config c;
+        cm384_config_init(&c);
+        c.n_workers = 2; c.int8_dispatch = 0; c.max_ctx = 128; c.kv_block_tokens = 16; c.mtp = mtp;
+        size_t block = (size_t)(m->hp.n_layers + m->hp.n_mtp) * 16 * (m->hp.kv_lora + m->hp.qk_rope) * sizeof(float);
+        c.kv_pool_bytes = 10 * 6 * block;              /* a request needs up to 6 blocks */
+        cm384_engine_create(m, &c, &e);
+        for (int i = 0; i < N; i++) submit_job(e, &got[i]);
+        cm384_wait_all(e);
+        cm384_stats st;
+        st.struct_size = sizeof st;
+        cm384_get_stats(e, &st);
+        cm384_engine_free(e);
+        int same = 0, finals = 0;
+        for (int i = 0; i < N; i++) { same += same_tokens(&got[i], &ref[i]); finals += got[i].finals == 1; }
+        printf("  %s%d/%d finished with one final event, %d/%d identical to the unconstrained run; %llu preemptions, "
+               "%llu blocks in the pool\n", mtp ? "with MTP: " : "", finals, N, same, N,
+               (unsigned long long)st.requests_preempted, (unsigned long long)st.kv_blocks_total);
+        CHECK(finals == N && same == N, "exhaustion: %d finals, %d identical of %d", finals, same, N);
+        CHECK(st.requests_done == (uint64_t)N, "stats say %llu done", (unsigned long long)st.requests_done);
+    }
     free(ref);
     free(got);
 }
@@ -424,6 +474,7 @@ int main(void) {
     cm384_model *m;
     if (cm384_model_load(dir, NULL, &m)) { printf("load: %s\n", cm384_last_error()); return 1; }
     exactness(m);
+    sampled(m);
     caching(m);
     if (!quick) int8_dispatch(m);
     exhaustion(m);

@@ -187,6 +187,54 @@ static void check_topology(cm384_model *m, const char *preset, int microbatches)
     cm384_engine_free(e);
 }
 
+/* MTP speculative decoding: every draft made while generating equals the
+ * argmax of the MTP logits cm384_eval gives for that position (which match
+ * the reference above), and the generated tokens equal the reference's. */
+static void check_mtp_drafts(cm384_model *m) {
+    printf("[MTP speculative decoding]\n");
+    cm384_config c;
+    cm384_config_init(&c);
+    c.n_workers = 2; c.int8_dispatch = 0; c.mtp = 1;
+    cm384_engine *e;
+    if (cm384_engine_create(m, &c, &e)) { CHECK(0, "engine: %s", cm384_last_error()); return; }
+    e->dbg_draft = malloc(sizeof(int) * (size_t)e->max_ctx);
+    for (int i = 0; i < e->max_ctx; i++) e->dbg_draft[i] = -1;
+    const json *g = &json_get(&ref, "greedy")->kids[1];
+    int32_t ids[256];
+    int n = load_ids(json_get(g, "prompt"), ids, 256);
+    const json *gen = json_get(g, "generated");
+    cm384_sampling s;
+    cm384_sampling_init(&s);
+    s.max_tokens = gen->len;
+    s.ignore_eos = 1;
+    int out[64] = {0};
+    int r = cm384_generate(e, NULL, ids, n, &s, collect, out);
+    int same = r == CM384_OK && out[0] == gen->len;
+    for (int t = 0; same && t < gen->len; t++) same = out[1 + t] == (int)gen->kids[t].num;
+    CHECK(same, "greedy run with MTP differs from the reference");
+    int total = n + out[0];
+    for (int t = 0; t < out[0]; t++) ids[n + t] = out[1 + t];
+    float *lg = malloc(sizeof(float) * total * 1024), *ml = malloc(sizeof(float) * total * 1024);
+    cm384_eval(e, ids, total, lg, ml);
+    int checked = 0, agree = 0;
+    for (int p = 0; p < total - 1; p++) {
+        if (e->dbg_draft[p] < 0) continue;
+        checked++;
+        agree += e->dbg_draft[p] == argmax(ml + (size_t)p * 1024, 1024);
+    }
+    cm384_stats st;
+    st.struct_size = sizeof st;
+    cm384_get_stats(e, &st);
+    printf("  greedy with MTP: %s; %d/%d drafts equal the MTP head's argmax at their position; %llu/%llu accepted\n",
+           same ? "16/16 tokens identical" : "DIFFERENT", agree, checked,
+           (unsigned long long)st.mtp_accepted, (unsigned long long)st.mtp_drafted);
+    CHECK(checked >= 10 && agree == checked, "drafts: %d of %d agree", agree, checked);
+    free(lg); free(ml);
+    free(e->dbg_draft);
+    e->dbg_draft = NULL;
+    cm384_engine_free(e);
+}
+
 int main(void) {
     int r = json_load_file(FIX "/reference.json", &A, &ref);
     if (r || file_map_open(&bin, FIX "/reference.bin", 1)) {
@@ -200,6 +248,7 @@ int main(void) {
     check_topology(m, "single", 1);
     check_topology(m, "default", 2);
     check_topology(m, "paper", 2);
+    check_mtp_drafts(m);
     cm384_model_free(m);
     file_map_close(&bin);
     arena_free(&A);
