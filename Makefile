@@ -19,7 +19,7 @@ SRC     := cm384.c cm384.h $(wildcard ggml_like/*.c ggml_like/*.h)
 # the built-in default model: the trained one when present, else the fixture
 MODEL   ?= $(if $(wildcard models/shakespeare/config.json),models/shakespeare,tests/fixtures/tiny-dsv3)
 PROMPT  ?= ROMEO:
-NTOK    ?= 64
+NTOK    ?= 100
 
 all: $(B)/libcm384.a $(B)/cm384 $(B)/embed
 
@@ -41,15 +41,16 @@ $(B)/embed: examples/embed.c cm384.h $(B)/libcm384.a
 $(B)/gen_synth: models/gen/gen_synth.c | $(B)
 	$(CC) -O2 -std=c11 -Wall -Wextra models/gen/gen_synth.c -o $@ -lm
 
+# sampled (temperature 0.8, top-p 0.95, seed 1), with MTP speculative decoding
 run: $(B)/cm384
-	./$(B)/cm384 run -m $(MODEL) -p "$(PROMPT)" -n $(NTOK) --report
+	./$(B)/cm384 run -m $(MODEL) -p "$(PROMPT)" -n $(NTOK) --temp 0.8 --top-p 0.95 --seed 1 --mtp --report
 
 # ---- tests ----
 # Each test program includes cm384.c (to reach internals) and prints
 # "name: N passed, N failed"; tests/run.sh sums them.
 
-TESTS      := tokenizer kernels golden loader engine alloc
-ASAN_TESTS := tokenizer kernels golden loader engine
+TESTS      := tokenizer kernels golden loader engine alloc model
+ASAN_TESTS := tokenizer kernels golden loader engine model
 TSAN_TESTS := engine kernels
 SAN        := -O1 -g -fno-omit-frame-pointer
 

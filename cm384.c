@@ -6157,6 +6157,10 @@ int cm384_report(cm384_engine *e, char *buf, size_t cap) {
               100 * st.cache_hit_ratio, (unsigned long long)st.tokens_decoded);
     sb_printf(&b, "throughput: prefill %.1f tok/s, decode %.1f tok/s (busy time)\n",
               st.prefill_tok_per_s, st.decode_tok_per_s);
+    if (st.mtp_drafted)
+        sb_printf(&b, "MTP: %llu drafts, %llu accepted (%.1f%%): %.2f tokens per decode step per request\n",
+                  (unsigned long long)st.mtp_drafted, (unsigned long long)st.mtp_accepted,
+                  100.0 * st.mtp_accepted / st.mtp_drafted, 1.0 + (double)st.mtp_accepted / st.mtp_drafted);
     sb_printf(&b, "latency: TTFT p50 %.1f ms p99 %.1f ms, TPOT p50 %.2f ms p99 %.2f ms\n",
               st.ttft_p50_ms, st.ttft_p99_ms, st.tpot_p50_ms, st.tpot_p99_ms);
     sb_printf(&b, "fabric: dispatch %.2f MB (bf16 would be %.2f MB, %s), combine %.2f MB (bf16 %.2f MB), "

@@ -459,12 +459,13 @@ static int cmd_bench(const opts *o) {
                "\"wall_s\":%.3f,\"output_tok_s\":%.2f,\"prefill_tok_s\":%.2f,\"decode_tok_s\":%.2f,"
                "\"ttft_p50_ms\":%.2f,\"ttft_p99_ms\":%.2f,\"tpot_p50_ms\":%.3f,\"tpot_p99_ms\":%.3f,"
                "\"cache_hit_ratio\":%.4f,\"dispatch_bytes\":%llu,\"dispatch_bytes_bf16\":%llu,"
-               "\"combine_bytes\":%llu,\"preempted\":%llu}\n",
+               "\"combine_bytes\":%llu,\"preempted\":%llu,\"mtp_drafted\":%llu,\"mtp_accepted\":%llu}\n",
                o->model, P, N, R, C, st.n_workers, o->preset ? o->preset : "default", o->int8, o->int8_dispatch,
                o->shared_prefix, t_load, wall, out_tok_s, st.prefill_tok_per_s, st.decode_tok_per_s,
                st.ttft_p50_ms, st.ttft_p99_ms, st.tpot_p50_ms, st.tpot_p99_ms, st.cache_hit_ratio,
                (unsigned long long)st.dispatch_bytes, (unsigned long long)st.dispatch_bytes_bf16,
-               (unsigned long long)st.combine_bytes, (unsigned long long)st.requests_preempted);
+               (unsigned long long)st.combine_bytes, (unsigned long long)st.requests_preempted,
+               (unsigned long long)st.mtp_drafted, (unsigned long long)st.mtp_accepted);
     } else {
         printf("workload: %d requests x (%d prompt + %d generated) tokens, %d in flight, shared prefix %.0f%%, %d tenant%s\n",
                R, P, N, C, 100 * o->shared_prefix, T, T > 1 ? "s" : "");

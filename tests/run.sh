@@ -32,12 +32,12 @@ step() {  # step NAME COMMAND...
 }
 
 # unit and golden tests
-for t in tokenizer kernels golden loader engine alloc; do
+for t in tokenizer kernels golden loader engine alloc model; do
     step "$t" "$B/test_$t"
 done
 
 # the same under AddressSanitizer + UndefinedBehaviorSanitizer
-for t in tokenizer kernels golden loader; do
+for t in tokenizer kernels golden loader model; do
     step "asan+ubsan $t" env ASAN_OPTIONS=detect_leaks=1 "$B/asan/test_$t"
 done
 step "asan+ubsan engine" env CM384_QUICK=1 ASAN_OPTIONS=detect_leaks=1 "$B/asan/test_engine"
@@ -45,6 +45,17 @@ step "asan+ubsan engine" env CM384_QUICK=1 ASAN_OPTIONS=detect_leaks=1 "$B/asan/
 # threaded tests under ThreadSanitizer
 step "tsan engine" env CM384_QUICK=1 TSAN_OPTIONS="halt_on_error=1" "$B/tsan/test_engine"
 step "tsan kernels (pool)" env CM384_QUICK=1 TSAN_OPTIONS="halt_on_error=1" "$B/tsan/test_kernels"
+
+# the trained default model: cm384 perplexity reproduces the trainer's validation loss
+expect=$(sed -n 's/.*"val_loss": *\([0-9.]*\).*/\1/p' models/shakespeare/reference.json | head -n 1)
+perplexity_check() {
+    out=$("$B/cm384" perplexity -m models/shakespeare models/shakespeare/val.txt --ctx 256 -t 2 --no-int8-dispatch) || return 1
+    echo "$out"
+    got=$(echo "$out" | sed -n 's/.*mean loss \([0-9.]*\).*/\1/p')
+    echo "trainer's val_loss $expect, cm384 $got"
+    awk -v a="$got" -v b="$expect" 'BEGIN { d = (a - b) / b; if (d < 0) d = -d; exit !(d <= 0.005) }'
+}
+step "cm384 perplexity = trainer's val_loss (within 0.5%)" perplexity_check
 
 # the smallest embedding program, and the tool
 step "examples/embed" "$B/embed" "$MODEL" "ROMEO:"
