@@ -225,27 +225,46 @@ static void int8_dispatch(cm384_model *m) {
     json ref;
     json_load_file(FIX "/reference.json", &a, &ref);
     cm384_engine *e0 = engine(m, "default", 2, 0, 1, 0), *e1 = engine(m, "default", 2, 0, 1, 1);
+    cm384_config c8;
+    cm384_config_init(&c8);
+    c8.n_workers = 2; c8.int8 = 1; c8.max_ctx = 256;
+    cm384_engine *e8 = NULL;
+    cm384_engine_create(m, &c8, &e8);
     const json *seqs = json_get(&ref, "sequences");
-    int agree = 0, total = 0;
-    double max_diff = 0;
+    int agree = 0, total = 0, agree8 = 0;
+    double max_diff = 0, kl8 = 0;
     for (int i = 0; i < seqs->len; i++) {
         const json *tk = json_get(&seqs->kids[i], "tokens");
         int n = tk->len;
         int32_t ids[256];
         for (int t = 0; t < n; t++) ids[t] = (int32_t)tk->kids[t].num;
         float *l0 = malloc(sizeof(float) * n * 1024), *l1 = malloc(sizeof(float) * n * 1024);
+        float *l8 = malloc(sizeof(float) * n * 1024);
         cm384_eval(e0, ids, n, l0, NULL);
         cm384_eval(e1, ids, n, l1, NULL);
+        cm384_eval(e8, ids, n, l8, NULL);
         int ag = 0;
         for (int t = 0; t < n; t++) {
-            int b0 = 0, b1 = 0;
+            int b0 = 0, b1 = 0, b8 = 0;
             for (int v = 1; v < 1024; v++) {
                 if (l0[t * 1024 + v] > l0[t * 1024 + b0]) b0 = v;
                 if (l1[t * 1024 + v] > l1[t * 1024 + b1]) b1 = v;
+                if (l8[t * 1024 + v] > l8[t * 1024 + b8]) b8 = v;
             }
             ag += b0 == b1;
+            agree8 += b0 == b8;
             for (int v = 0; v < 1024; v++) max_diff = fmax(max_diff, fabs(l0[t * 1024 + v] - l1[t * 1024 + v]));
+            /* KL(fp32 || W8A8) at this position */
+            double m0 = -1e30, m8 = -1e30, z0 = 0, z8 = 0, kl = 0;
+            for (int v = 0; v < 1024; v++) { m0 = fmax(m0, l0[t * 1024 + v]); m8 = fmax(m8, l8[t * 1024 + v]); }
+            for (int v = 0; v < 1024; v++) { z0 += exp(l0[t * 1024 + v] - m0); z8 += exp(l8[t * 1024 + v] - m8); }
+            for (int v = 0; v < 1024; v++) {
+                double a = l0[t * 1024 + v] - m0 - log(z0), b = l8[t * 1024 + v] - m8 - log(z8);
+                kl += exp(a) * (a - b);
+            }
+            kl8 += kl;
         }
+        free(l8);
         printf("  %-12s top-1 agreement %3d/%3d\n", json_str(&seqs->kids[i], "name", ""), ag, n);
         agree += ag; total += n;
         free(l0); free(l1);
@@ -262,8 +281,15 @@ static void int8_dispatch(cm384_model *m) {
        threshold leaves room for a few more flips with other kernels */
     CHECK(agree * 100 >= 95 * total, "INT8 dispatch top-1 agreement %d/%d below 95%%", agree, total);
     CHECK(s1.dispatch_bytes * 3 < s0.dispatch_bytes, "INT8 dispatch should send under a third of fp32's bytes");
+    printf("  INT8 W8A8 weights vs fp32: top-1 agreement %d/%d (%.1f%%), mean KL %.4f nats per position\n",
+           agree8, total, 100.0 * agree8 / total, kl8 / total);
+    /* measured here: 264/284 (93.0%), KL 0.015 -- the fixture's random
+       64-wide weights are hard on 8 bits (the trained model: 99%, KL 0.005,
+       tests/test_model.c); thresholds leave room for other kernels */
+    CHECK(agree8 * 100 >= 88 * total && kl8 / total < 0.04, "W8A8: %d/%d, KL %.4f", agree8, total, kl8 / total);
     cm384_engine_free(e0);
     cm384_engine_free(e1);
+    cm384_engine_free(e8);
     arena_free(&a);
 }
 
