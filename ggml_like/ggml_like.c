@@ -179,13 +179,75 @@ static const gl_kernels gl_scalar_kernels = {
 
 const gl_kernels *gl_kernels_scalar(void) { return &gl_scalar_kernels; }
 
-const gl_kernels *gl_kernels_get(void) { return &gl_scalar_kernels; }
+/* ---------------------------------------------------------------------- */
+/* SIMD kernel sets, chosen at run time                                   */
+/* ---------------------------------------------------------------------- */
+/* Each file compiles its functions for its instruction set with target
+ * attributes, so the library needs no -m flags; define GL_NO_SIMD to build
+ * the scalar set only (or for a compiler without target attributes). */
+
+#if !defined(GL_NO_SIMD) && (defined(__GNUC__) || defined(__clang__))
+#if defined(__x86_64__) || defined(__i386__)
+#define GL_HAVE_AVX2 1
+#include "x86_avx2.c"
+#elif defined(__aarch64__)
+#define GL_HAVE_NEON 1
+#include "arm_neon.c"
+#endif
+#endif
+
+/* The CPU's features, probed once: a benign cache (every thread computes
+ * the same value; 0 means not yet probed). */
+static atomic_int gl_cpu_features_cache;
+
+static int gl_cpu_features(void) {
+    int f = atomic_load_explicit(&gl_cpu_features_cache, memory_order_relaxed);
+    if (f) return f;
+    f = 0x100;
+#if defined(GL_HAVE_AVX2)
+    f |= gl_x86_features();
+#elif defined(GL_HAVE_NEON)
+    f |= gl_arm_features();
+#endif
+    atomic_store_explicit(&gl_cpu_features_cache, f, memory_order_relaxed);
+    return f;
+}
+
+/* Every set this CPU runs, best last. */
+static int gl_kernel_sets(const gl_kernels **out) {
+    int n = 0, f = gl_cpu_features();
+    (void)f;
+    out[n++] = &gl_scalar_kernels;
+#if defined(GL_HAVE_AVX2)
+    if (f & GL_X86_AVX2) out[n++] = &gl_avx2_kernels;
+#elif defined(GL_HAVE_NEON)
+    out[n++] = &gl_neon_kernels;
+    if (f & GL_ARM_DOTPROD) out[n++] = &gl_neon_dot_kernels;
+#endif
+    return n;
+}
+
+#define GL_MAX_SETS 8
+
+const gl_kernels *gl_kernels_get(void) {
+    const gl_kernels *sets[GL_MAX_SETS];
+    int n = gl_kernel_sets(sets);
+    return sets[n - 1];
+}
 
 int gl_kernels_all(const gl_kernels **out, int cap) {
-    int n = 0;
-    if (n < cap) out[n] = &gl_scalar_kernels;
-    n++;
+    const gl_kernels *sets[GL_MAX_SETS];
+    int n = gl_kernel_sets(sets);
+    for (int i = 0; i < n && i < cap; i++) out[i] = sets[i];
     return n;
+}
+
+const gl_kernels *gl_kernels_by_name(const char *name) {
+    const gl_kernels *sets[GL_MAX_SETS];
+    int n = gl_kernel_sets(sets);
+    for (int i = 0; i < n; i++)
+        if (name && strcmp(sets[i]->name, name) == 0) return sets[i];
+    return NULL;
 }
 
 void gl_quantize_weight_q8(const gl_mat *w, int8_t *q, float *scale, int r0, int r1) {
@@ -202,33 +264,104 @@ void gl_quantize_weight_q8(const gl_mat *w, int8_t *q, float *scale, int r0, int
 /* ---------------------------------------------------------------------- */
 /* Worker pool                                                            */
 /* ---------------------------------------------------------------------- */
-/* Workers wait for a new "generation" of work: they spin briefly (a decode
- * step issues many short parallel regions) and then sleep on a condition
- * variable.  Tasks are claimed from an atomic counter. */
+/* A decode step opens 10-20 short parallel regions per layer, so opening one
+ * must cost far less than a futex wake-up.  The whole region state is one
+ * 64-bit word, `work` = generation << 32 | next task index:
+ *
+ *  - the caller publishes a region by storing (new generation, 0), after
+ *    closing the last one with (old generation, all ones);
+ *  - anyone claims a task by CAS from (g, t) to (g, t+1) while t < n_tasks,
+ *    so a worker that wakes late (the machine is shared, threads get
+ *    descheduled) cannot take a task of a later region by mistake;
+ *  - finished tasks are counted, and the caller returns when all are done:
+ *    it never waits for a worker that took nothing.
+ *
+ * Idle workers spin on `work` for GL_POOL_SPIN_NS, then sleep on a condition
+ * variable; the caller takes the mutex only when `sleepers` says someone
+ * sleeps.  Each side writes its flag (sleepers / caller_asleep) before it
+ * re-reads the other side's word, both seq_cst, so at least one of the two
+ * sees the other: no wake-up is lost.  With more threads than CPUs the
+ * spinning yields the CPU instead.  Fields polled across threads sit on
+ * their own cache lines. */
+
+#include <sched.h>
+#include <time.h>
+
+#define GL_POOL_SPIN_NS 200000     /* ~ the gap between two regions of a step, and more */
+
+static inline void gl_cpu_relax(void) {
+#if defined(__x86_64__) || defined(__i386__)
+    __builtin_ia32_pause();
+#elif defined(__aarch64__)
+    __asm__ volatile("yield" ::: "memory");
+#endif
+}
+
+/* Spins a while: returns 0 once the spinning budget (from *start) is spent.
+ * The budget is time, as a pause lasts 10 to 200 cycles depending on the
+ * CPU; without a POSIX clock in scope it is a count. */
+static int gl_spin(int *spins, int64_t *start, int oversubscribed) {
+    if (oversubscribed) { sched_yield(); return ++*spins < 50; }
+    gl_cpu_relax();
+    if ((++*spins & 63) != 0) return 1;
+#if defined(CLOCK_MONOTONIC)
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    int64_t t = (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
+    if (*start == 0) *start = t;
+    return t - *start < GL_POOL_SPIN_NS;
+#else
+    (void)start;
+    return *spins < GL_POOL_SPIN_NS / 20;
+#endif
+}
 
 struct gl_pool {
-    int              n;                 /* workers including the caller        */
+    int              n;                 /* workers including the caller          */
+    int              oversubscribed;    /* more workers than CPUs: do not spin   */
+    uint32_t         generation;        /* the caller's copy of the last one     */
     pthread_t       *threads;
     pthread_mutex_t  mu;
     pthread_cond_t   wake, done_cv;
-    atomic_int       generation;        /* bumped for each gl_pool_run          */
-    atomic_int       next_task;
-    atomic_int       n_tasks;
-    atomic_int       busy;              /* workers still in the current region  */
-    atomic_int       stop;
-    gl_task_fn       fn;
+    gl_task_fn       fn;                /* published by the store to `work`      */
     void            *ctx;
+    char             pad0[64];
+    _Atomic uint64_t work;              /* generation << 32 | next task          */
+    atomic_int       n_tasks;
+    atomic_int       stop;
+    char             pad1[64];
+    atomic_int       done;              /* tasks finished in this region         */
+    atomic_int       caller_asleep;
+    char             pad2[64];
+    atomic_int       sleepers;          /* workers asleep (or about to be)       */
+    char             pad3[64];
 };
 
 typedef struct { gl_pool *p; int id; } gl_worker_arg;
 
-static void gl_pool_work(gl_pool *p, int worker) {
-    int n = atomic_load_explicit(&p->n_tasks, memory_order_acquire);
+/* Runs tasks of generation gen until none is left, then adds how many it
+ * ran to `done` (once: fewer cache-line transfers than once per task).
+ * Returns 1 if that completed the region.  n_tasks is read after `work` and
+ * rechecked on every claim: if it is already the next region's, the caller
+ * has closed this generation (see gl_pool_run) before writing it, so the
+ * CAS below fails rather than claim a task under a stale count. */
+static int gl_pool_work(gl_pool *p, uint32_t gen, int worker) {
+    uint64_t w = atomic_load_explicit(&p->work, memory_order_acquire);
+    uint32_t n = 0;
+    int ran = 0;
     for (;;) {
-        int t = atomic_fetch_add_explicit(&p->next_task, 1, memory_order_relaxed);
-        if (t >= n) break;
-        p->fn(p->ctx, t, worker);
+        if ((uint32_t)(w >> 32) != gen) break;
+        n = (uint32_t)atomic_load_explicit(&p->n_tasks, memory_order_acquire);
+        if ((uint32_t)w >= n) break;
+        if (!atomic_compare_exchange_weak_explicit(&p->work, &w, w + 1, memory_order_acquire,
+                                                   memory_order_acquire))
+            continue;                   /* w now holds the current value */
+        p->fn(p->ctx, (int)(uint32_t)w, worker);
+        ran++;
+        w = atomic_load_explicit(&p->work, memory_order_acquire);
     }
+    if (!ran) return 0;
+    return (uint32_t)(atomic_fetch_add_explicit(&p->done, ran, memory_order_seq_cst) + ran) == n;
 }
 
 static void *gl_worker_main(void *arg) {
@@ -236,28 +369,31 @@ static void *gl_worker_main(void *arg) {
     gl_pool *p = wa->p;
     int id = wa->id;
     free(wa);
-    int seen = 0;
+    uint32_t seen = 0;
     for (;;) {
-        int spins = 0, g;
-        while ((g = atomic_load_explicit(&p->generation, memory_order_acquire)) == seen &&
-               !atomic_load_explicit(&p->stop, memory_order_acquire)) {
-            if (++spins < 20000) continue;
+        uint32_t g;
+        int spins = 0;
+        int64_t start = 0;
+        while ((g = (uint32_t)(atomic_load_explicit(&p->work, memory_order_acquire) >> 32)) == seen) {
+            if (atomic_load_explicit(&p->stop, memory_order_acquire)) return NULL;
+            if (gl_spin(&spins, &start, p->oversubscribed)) continue;
             pthread_mutex_lock(&p->mu);
-            while (atomic_load_explicit(&p->generation, memory_order_acquire) == seen &&
-                   !atomic_load_explicit(&p->stop, memory_order_acquire))
+            atomic_fetch_add_explicit(&p->sleepers, 1, memory_order_seq_cst);
+            while ((uint32_t)(atomic_load_explicit(&p->work, memory_order_seq_cst) >> 32) == seen &&
+                   !atomic_load_explicit(&p->stop, memory_order_seq_cst))
                 pthread_cond_wait(&p->wake, &p->mu);
+            atomic_fetch_sub_explicit(&p->sleepers, 1, memory_order_relaxed);
             pthread_mutex_unlock(&p->mu);
+            spins = 0;
+            start = 0;
         }
-        if (atomic_load_explicit(&p->stop, memory_order_acquire)) break;
         seen = g;
-        gl_pool_work(p, id);
-        if (atomic_fetch_sub_explicit(&p->busy, 1, memory_order_acq_rel) == 1) {
+        if (gl_pool_work(p, g, id) && atomic_load_explicit(&p->caller_asleep, memory_order_seq_cst)) {
             pthread_mutex_lock(&p->mu);
             pthread_cond_signal(&p->done_cv);
             pthread_mutex_unlock(&p->mu);
         }
     }
-    return NULL;
 }
 
 int gl_n_cpus(void) {
@@ -269,7 +405,8 @@ gl_pool *gl_pool_create(int n_threads) {
     if (n_threads < 1) n_threads = 1;
     gl_pool *p = calloc(1, sizeof *p);
     if (!p) return NULL;
-    p->n = n_threads;
+    p->n = 1;
+    p->oversubscribed = n_threads > gl_n_cpus();
     pthread_mutex_init(&p->mu, NULL);
     pthread_cond_init(&p->wake, NULL);
     pthread_cond_init(&p->done_cv, NULL);
@@ -278,11 +415,12 @@ gl_pool *gl_pool_create(int n_threads) {
         if (!p->threads) { gl_pool_free(p); return NULL; }
         for (int i = 1; i < n_threads; i++) {
             gl_worker_arg *wa = malloc(sizeof *wa);
-            if (!wa) { p->n = i; gl_pool_free(p); return NULL; }
+            if (!wa) { gl_pool_free(p); return NULL; }
             wa->p = p; wa->id = i;
             if (pthread_create(&p->threads[i - 1], NULL, gl_worker_main, wa) != 0) {
-                free(wa); p->n = i; gl_pool_free(p); return NULL;
+                free(wa); gl_pool_free(p); return NULL;
             }
+            p->n = i + 1;   /* only started threads are joined */
         }
     }
     return p;
@@ -291,7 +429,7 @@ gl_pool *gl_pool_create(int n_threads) {
 void gl_pool_free(gl_pool *p) {
     if (!p) return;
     pthread_mutex_lock(&p->mu);
-    atomic_store_explicit(&p->stop, 1, memory_order_release);
+    atomic_store_explicit(&p->stop, 1, memory_order_seq_cst);
     pthread_cond_broadcast(&p->wake);
     pthread_mutex_unlock(&p->mu);
     for (int i = 1; i < p->n; i++) pthread_join(p->threads[i - 1], NULL);
@@ -310,23 +448,31 @@ void gl_pool_run(gl_pool *p, int n_tasks, gl_task_fn fn, void *ctx) {
         for (int t = 0; t < n_tasks; t++) fn(ctx, t, 0);
         return;
     }
+    /* close the last region for late workers before its count changes */
+    atomic_store_explicit(&p->work, (uint64_t)p->generation << 32 | 0xffffffffu, memory_order_relaxed);
+    atomic_store_explicit(&p->n_tasks, n_tasks, memory_order_release);
     p->fn = fn;
     p->ctx = ctx;
-    atomic_store_explicit(&p->next_task, 0, memory_order_relaxed);
-    atomic_store_explicit(&p->n_tasks, n_tasks, memory_order_relaxed);
-    atomic_store_explicit(&p->busy, p->n - 1, memory_order_relaxed);
-    pthread_mutex_lock(&p->mu);
-    atomic_fetch_add_explicit(&p->generation, 1, memory_order_acq_rel);
-    pthread_cond_broadcast(&p->wake);
-    pthread_mutex_unlock(&p->mu);
-    gl_pool_work(p, 0);
-    /* wait for the other workers to leave the region */
-    int spins = 0;
-    while (atomic_load_explicit(&p->busy, memory_order_acquire) > 0) {
-        if (++spins < 20000) continue;
+    atomic_store_explicit(&p->done, 0, memory_order_relaxed);
+    uint32_t gen = ++p->generation;
+    if (gen == 0) gen = p->generation = 1;          /* workers start having seen 0 */
+    atomic_store_explicit(&p->work, (uint64_t)gen << 32, memory_order_seq_cst);   /* publishes the above */
+    if (atomic_load_explicit(&p->sleepers, memory_order_seq_cst) > 0) {
         pthread_mutex_lock(&p->mu);
-        while (atomic_load_explicit(&p->busy, memory_order_acquire) > 0)
+        pthread_cond_broadcast(&p->wake);
+        pthread_mutex_unlock(&p->mu);
+    }
+    gl_pool_work(p, gen, 0);
+    /* wait for tasks other workers took */
+    int spins = 0;
+    int64_t start = 0;
+    while (atomic_load_explicit(&p->done, memory_order_acquire) < n_tasks) {
+        if (gl_spin(&spins, &start, p->oversubscribed)) continue;
+        pthread_mutex_lock(&p->mu);
+        atomic_store_explicit(&p->caller_asleep, 1, memory_order_seq_cst);
+        while (atomic_load_explicit(&p->done, memory_order_seq_cst) < n_tasks)
             pthread_cond_wait(&p->done_cv, &p->mu);
+        atomic_store_explicit(&p->caller_asleep, 0, memory_order_relaxed);
         pthread_mutex_unlock(&p->mu);
     }
 }

@@ -72,9 +72,13 @@ float    gl_f8e4m3_to_f32(uint8_t b);
 /* Converts row r of W to fp32 (dequantizing blocks/scales). */
 void gl_row_to_f32(const gl_mat *w, int r, float *out);
 
-/* A set of kernels for one instruction set. */
+/* A set of kernels for one instruction set: "scalar" (portable C), "avx2"
+ * (x86-64 with AVX2, FMA, F16C), "neon" (AArch64) and "neon_dotprod"
+ * (AArch64 with SDOT, for W8A8).  Sets may differ in the last bits of fp
+ * results (each has its own fixed reduction order); W8A8 results are the
+ * same bits in every set. */
 typedef struct gl_kernels {
-    const char *name;        /* "scalar", "avx2", "avx512", "neon", ... */
+    const char *name;        /* "scalar", "avx2", "neon", "neon_dotprod" */
     /* y[i*ldy + r] = W[r] . x[i*ldx]  for i in [0,n), r in [r0,r1).  W of any
        type except Q8. */
     void (*matmul)(const gl_mat *w, const float *x, int n, int ldx,
@@ -89,12 +93,15 @@ typedef struct gl_kernels {
     void  (*axpy)(float *y, const float *x, float a, int n);       /* y += a*x    */
 } gl_kernels;
 
-/* The best kernel set for this CPU (detected once per call; cheap). */
+/* The best kernel set for this CPU (cpuid / hwcap probed once, then cached). */
 const gl_kernels *gl_kernels_get(void);
 /* The portable reference set, for tests. */
 const gl_kernels *gl_kernels_scalar(void);
-/* All sets this CPU can run (for tests and benches); returns the count. */
+/* All sets this CPU can run (for tests and benches), scalar first and the
+ * one gl_kernels_get picks last; fills at most cap, returns the count. */
 int gl_kernels_all(const gl_kernels **out, int cap);
+/* The set of that name if this CPU can run it, else NULL (to pin a set). */
+const gl_kernels *gl_kernels_by_name(const char *name);
 
 /* Quantize a weight matrix to GL_Q8: q gets rows*cols int8, scale gets rows
  * floats.  Rows [r0, r1) only, so it can be parallelized. */
@@ -107,7 +114,10 @@ void gl_quantize_weight_q8(const gl_mat *w, int8_t *q, float *scale, int r0, int
  * fn(ctx, task, worker) for task = 0..n_tasks-1 spread over all workers and
  * returns when every task has finished.  Tasks are handed out one at a time
  * from an atomic counter, so give it more tasks than workers.  Only one
- * thread may call gl_pool_run on a pool at a time. */
+ * thread may call gl_pool_run on a pool at a time.  Cost: a few hundred ns
+ * per call while the workers are spinning (they do for ~200 us after a
+ * region, then sleep); the caller never waits for a worker that took no
+ * task, so a descheduled worker delays nothing it has not started. */
 typedef struct gl_pool gl_pool;
 typedef void (*gl_task_fn)(void *ctx, int task, int worker);
 

@@ -1,0 +1,339 @@
+/* arm_neon.c -- AArch64 NEON kernels, and W8A8 with the dot-product
+ * extension (SDOT, Armv8.2 "dotprod") where the CPU has it.
+ *
+ * Included from ggml_like.c.  NEON is part of every AArch64 CPU; SDOT is
+ * emitted only in neon_matmul_q8_dot, which gl_kernels_get offers only when
+ * the kernel reports HWCAP_ASIMDDP.
+ *
+ * Reduction order of one fp dot product, the same in every path whatever
+ * the tile (batch invariance): 8 lanes held in two float32x4 (lanes 0-3 and
+ * 4-7), lane l takes w[c]*x[c] for c = l (mod 8) by fused multiply-add in
+ * increasing c; the last cols%8 columns form one zero-padded block; the lanes
+ * are summed as ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)), the scalar set's
+ * order.  Weights are widened to fp32 exactly (fp8 times its block scale,
+ * rounded once), the values gl_row_to_f32 gives.
+ *
+ * Tiles: 2 weight rows x 4 tokens (16 of the 32 vector registers hold
+ * accumulators); tokens in blocks whose activations stay in L2, as on x86. */
+#include <arm_neon.h>
+
+#if defined(__linux__)
+#include <sys/auxv.h>
+#ifndef HWCAP_ASIMDDP
+#define HWCAP_ASIMDDP (1 << 20)
+#endif
+#elif defined(__APPLE__)
+#include <sys/sysctl.h>
+#endif
+
+#define NEON_NR 2
+#define NEON_NT 4
+#define GL_NEON_INLINE static inline __attribute__((always_inline))
+
+typedef struct { float32x4_t lo, hi; } neon_f8x;   /* 8 fp32 lanes */
+
+GL_NEON_INLINE float neon_hsum(neon_f8x v) {
+    float32x4_t s = vaddq_f32(v.lo, v.hi);                          /* l0+l4 .. l3+l7 */
+    float32x2_t t = vadd_f32(vget_low_f32(s), vget_high_f32(s));    /* s0+s2, s1+s3   */
+    return vget_lane_f32(t, 0) + vget_lane_f32(t, 1);
+}
+
+GL_NEON_INLINE neon_f8x neon_fma(neon_f8x acc, neon_f8x w, neon_f8x x) {
+    acc.lo = vfmaq_f32(acc.lo, w.lo, x.lo);
+    acc.hi = vfmaq_f32(acc.hi, w.hi, x.hi);
+    return acc;
+}
+
+GL_NEON_INLINE neon_f8x neon_zero(void) {
+    neon_f8x z = {vdupq_n_f32(0), vdupq_n_f32(0)};
+    return z;
+}
+
+GL_NEON_INLINE neon_f8x neon_load_x(const float *p) {
+    neon_f8x v = {vld1q_f32(p), vld1q_f32(p + 4)};
+    return v;
+}
+
+/* 8 weights of a stored type as fp32.  fp8 e4m3 goes through fp16: the bits
+ * s.eeee.mmm placed as s.0eeee.mmm0000000 are an fp16 of value v/256
+ * (subnormals included), so `scale` holds the block scale times 256.  (The
+ * e4m3 NaN code reads as 480, as in the x86 sets.) */
+GL_NEON_INLINE neon_f8x neon_load_w(int type, const uint8_t *p, float32x4_t scale) {
+    neon_f8x v;
+    switch (type) {
+    case GL_F32:
+        v.lo = vld1q_f32((const float *)p);
+        v.hi = vld1q_f32((const float *)p + 4);
+        break;
+    case GL_F16: {
+        uint16x8_t h = vld1q_u16((const uint16_t *)p);
+        v.lo = vcvt_f32_f16(vreinterpret_f16_u16(vget_low_u16(h)));
+        v.hi = vcvt_f32_f16(vreinterpret_f16_u16(vget_high_u16(h)));
+        break;
+    }
+    case GL_BF16: {
+        uint16x8_t h = vld1q_u16((const uint16_t *)p);
+        v.lo = vreinterpretq_f32_u32(vshll_n_u16(vget_low_u16(h), 16));
+        v.hi = vreinterpretq_f32_u32(vshll_n_u16(vget_high_u16(h), 16));
+        break;
+    }
+    default: {   /* GL_F8_E4M3 */
+        int16x8_t b = vmovl_s8(vld1_s8((const int8_t *)p));
+        uint16x8_t h = vandq_u16(vreinterpretq_u16_s16(vshlq_n_s16(b, 7)), vdupq_n_u16(0xbf80));
+        v.lo = vmulq_f32(vcvt_f32_f16(vreinterpret_f16_u16(vget_low_u16(h))), scale);
+        v.hi = vmulq_f32(vcvt_f32_f16(vreinterpret_f16_u16(vget_high_u16(h))), scale);
+        break;
+    }
+    }
+    return v;
+}
+
+/* y[t*ldy + r+k] = W[r+k] . x[t*ldx] for k < nr, t < nt (constants after
+ * inlining).  pf: where to prefetch, at the pace this panel is read. */
+GL_NEON_INLINE void neon_tile(int type, const gl_mat *w, int r, int nr,
+                              const float *x, int ldx, int nt, float *y, int ldy, const uint8_t *pf) {
+    const int cols = w->cols, full = cols & ~7;
+    const size_t es = gl_type_size(type);
+    const int bcols = (cols + GL_F8_BLOCK - 1) / GL_F8_BLOCK;
+    const uint8_t *wr[NEON_NR];
+    const float *wsc[NEON_NR];
+    neon_f8x acc[NEON_NR][NEON_NT], wv[NEON_NR];
+    float32x4_t s[NEON_NR];
+#pragma GCC unroll 4
+    for (int k = 0; k < nr; k++) {
+        wr[k] = (const uint8_t *)w->data + (size_t)(r + k) * (size_t)cols * es;
+        wsc[k] = type == GL_F8_E4M3 ? w->scale + (size_t)((r + k) / GL_F8_BLOCK) * (size_t)bcols : NULL;
+        s[k] = vdupq_n_f32(0);
+#pragma GCC unroll 4
+        for (int t = 0; t < nt; t++) acc[k][t] = neon_zero();
+    }
+    for (int cb = 0; cb < cols; cb += GL_F8_BLOCK) {
+        if (type == GL_F8_E4M3) {
+#pragma GCC unroll 4
+            for (int k = 0; k < nr; k++) s[k] = vdupq_n_f32(wsc[k][cb / GL_F8_BLOCK] * 256.0f);
+        }
+        int ce = cb + GL_F8_BLOCK < full ? cb + GL_F8_BLOCK : full;
+        for (int c = cb; c < ce; c += 8) {
+            __builtin_prefetch(pf + (size_t)c * (size_t)nr * es, 0, 0);
+#pragma GCC unroll 4
+            for (int k = 0; k < nr; k++) wv[k] = neon_load_w(type, wr[k] + (size_t)c * es, s[k]);
+#pragma GCC unroll 4
+            for (int t = 0; t < nt; t++) {
+                neon_f8x xv = neon_load_x(x + (size_t)t * ldx + c);
+#pragma GCC unroll 4
+                for (int k = 0; k < nr; k++) acc[k][t] = neon_fma(acc[k][t], wv[k], xv);
+            }
+        }
+    }
+    if (full < cols) {   /* the zero-padded last block; s[] holds its scale */
+        const int rem = cols - full;
+#pragma GCC unroll 4
+        for (int k = 0; k < nr; k++) {
+            uint8_t buf[32] = {0};
+            memcpy(buf, wr[k] + (size_t)full * es, (size_t)rem * es);
+            wv[k] = neon_load_w(type, buf, s[k]);
+        }
+#pragma GCC unroll 4
+        for (int t = 0; t < nt; t++) {
+            float buf[8] = {0};
+            memcpy(buf, x + (size_t)t * ldx + full, (size_t)rem * sizeof(float));
+            neon_f8x xv = neon_load_x(buf);
+#pragma GCC unroll 4
+            for (int k = 0; k < nr; k++) acc[k][t] = neon_fma(acc[k][t], wv[k], xv);
+        }
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < nt; t++)
+#pragma GCC unroll 4
+        for (int k = 0; k < nr; k++) y[(size_t)t * ldy + r + k] = neon_hsum(acc[k][t]);
+}
+
+/* Prefetch distance, in panels (see x86_avx2.c). */
+#define NEON_PF_PANELS 2
+
+GL_NEON_INLINE void neon_tiles(int type, const gl_mat *w, int r, int nr, int r1,
+                               const float *x, int n, int ldx, float *y, int ldy) {
+    const size_t row_bytes = (size_t)w->cols * gl_type_size(type);
+    const uint8_t *panel = (const uint8_t *)w->data + (size_t)r * row_bytes;
+    const uint8_t *pf = r + (NEON_PF_PANELS + 1) * nr <= r1 ? panel + NEON_PF_PANELS * (size_t)nr * row_bytes : panel;
+    int i = 0;
+    for (; i + NEON_NT <= n; i += NEON_NT, pf = panel)
+        neon_tile(type, w, r, nr, x + (size_t)i * ldx, ldx, NEON_NT, y + (size_t)i * ldy, ldy, pf);
+    const float *xi = x + (size_t)i * ldx;
+    float *yi = y + (size_t)i * ldy;
+    switch (n - i) {
+    case 1: neon_tile(type, w, r, nr, xi, ldx, 1, yi, ldy, pf); break;
+    case 2: neon_tile(type, w, r, nr, xi, ldx, 2, yi, ldy, pf); break;
+    case 3: neon_tile(type, w, r, nr, xi, ldx, 3, yi, ldy, pf); break;
+    }
+}
+
+/* Tokens per block: their activations (fp32 or int8) stay within ~256 KB. */
+static int neon_token_block(int cols, int elem_size) {
+    int nb = (int)(262144 / ((size_t)(cols > 0 ? cols : 1) * (size_t)elem_size));
+    nb &= ~(NEON_NT - 1);
+    return nb < NEON_NT ? NEON_NT : nb;
+}
+
+GL_NEON_INLINE void neon_matmul_typed(int type, const gl_mat *w, const float *x, int n, int ldx,
+                                      float *y, int ldy, int r0, int r1) {
+    const int nb = neon_token_block(w->cols, 4);
+    for (int i0 = 0; i0 < n; i0 += nb) {
+        const int ni = n - i0 < nb ? n - i0 : nb;
+        const float *xb = x + (size_t)i0 * ldx;
+        float *yb = y + (size_t)i0 * ldy;
+        int r = r0;
+        for (; r + NEON_NR <= r1; r += NEON_NR) neon_tiles(type, w, r, NEON_NR, r1, xb, ni, ldx, yb, ldy);
+        for (; r < r1; r++) neon_tiles(type, w, r, 1, r1, xb, ni, ldx, yb, ldy);
+    }
+}
+
+static void neon_matmul_f32(const gl_mat *w, const float *x, int n, int ldx, float *y, int ldy, int r0, int r1) {
+    neon_matmul_typed(GL_F32, w, x, n, ldx, y, ldy, r0, r1);
+}
+static void neon_matmul_f16(const gl_mat *w, const float *x, int n, int ldx, float *y, int ldy, int r0, int r1) {
+    neon_matmul_typed(GL_F16, w, x, n, ldx, y, ldy, r0, r1);
+}
+static void neon_matmul_bf16(const gl_mat *w, const float *x, int n, int ldx, float *y, int ldy, int r0, int r1) {
+    neon_matmul_typed(GL_BF16, w, x, n, ldx, y, ldy, r0, r1);
+}
+static void neon_matmul_f8(const gl_mat *w, const float *x, int n, int ldx, float *y, int ldy, int r0, int r1) {
+    neon_matmul_typed(GL_F8_E4M3, w, x, n, ldx, y, ldy, r0, r1);
+}
+
+static void neon_matmul(const gl_mat *w, const float *x, int n, int ldx, float *y, int ldy, int r0, int r1) {
+    switch (w->type) {
+    case GL_F32:     neon_matmul_f32(w, x, n, ldx, y, ldy, r0, r1); break;
+    case GL_F16:     neon_matmul_f16(w, x, n, ldx, y, ldy, r0, r1); break;
+    case GL_BF16:    neon_matmul_bf16(w, x, n, ldx, y, ldy, r0, r1); break;
+    case GL_F8_E4M3: neon_matmul_f8(w, x, n, ldx, y, ldy, r0, r1); break;
+    default:         scalar_matmul(w, x, n, ldx, y, ldy, r0, r1); break;
+    }
+}
+
+/* ---- W8A8 ----
+ * int32 sums are exact, so tiling and order do not matter.  Plain NEON:
+ * two widening multiplies into int16 (a pair of products is at most
+ * 2*128*127 = 32512: no overflow, as the activations are never -128), then
+ * a pairwise add into int32.  SDOT does four products into int32 at once.
+ * y = (float)acc * wscale * xscale, in that order, as the scalar set. */
+
+GL_NEON_INLINE int32x4_t neon_mac_i8(int32x4_t acc, int8x16_t w, int8x16_t x) {
+    int16x8_t p = vmull_s8(vget_low_s8(w), vget_low_s8(x));
+    p = vmlal_high_s8(p, w, x);
+    return vpadalq_s16(acc, p);
+}
+
+/* The W8A8 tile, tiles and matmul are written once in arm_neon_q8.h and
+ * compiled twice: with the plain NEON multiply-add, and with SDOT under the
+ * dotprod target (the intrinsic may only be inlined into functions compiled
+ * for it, so the whole chain carries the attribute). */
+#define NEON_Q8(name) name##_plain
+#define NEON_Q8_TARGET
+#define NEON_Q8_MAC neon_mac_i8
+#include "arm_neon_q8.h"
+#undef NEON_Q8
+#undef NEON_Q8_TARGET
+#undef NEON_Q8_MAC
+
+#if defined(__clang__)
+#define NEON_Q8_TARGET __attribute__((target("dotprod")))
+#else
+#define NEON_Q8_TARGET __attribute__((target("arch=armv8.2-a+dotprod")))
+#endif
+#if defined(__clang__) && !defined(__ARM_FEATURE_DOTPROD)
+/* older clang declares vdotq_s32 only when the whole file targets dotprod */
+GL_NEON_INLINE NEON_Q8_TARGET int32x4_t neon_sdot(int32x4_t acc, int8x16_t w, int8x16_t x) {
+    __asm__("sdot %0.4s, %1.16b, %2.16b" : "+w"(acc) : "w"(w), "w"(x));
+    return acc;
+}
+#else
+GL_NEON_INLINE NEON_Q8_TARGET int32x4_t neon_sdot(int32x4_t acc, int8x16_t w, int8x16_t x) {
+    return vdotq_s32(acc, w, x);
+}
+#endif
+#define NEON_Q8(name) name##_dot
+#define NEON_Q8_MAC neon_sdot
+#include "arm_neon_q8.h"
+#undef NEON_Q8
+#undef NEON_Q8_TARGET
+#undef NEON_Q8_MAC
+
+/* Same values as scalar_quantize_q8: max|x| is exact in any order, x*inv is
+ * one rounding, and vcvtn rounds to nearest even like lrintf (default mode). */
+static void neon_quantize_q8(const float *x, int n, int cols, int ldx, int8_t *q, int ldq, float *scale) {
+    const int8x8_t lo = vdup_n_s8(-127);
+    for (int i = 0; i < n; i++) {
+        const float *xr = x + (size_t)i * ldx;
+        int8_t *qr = q + (size_t)i * ldq;
+        float32x4_t m = vdupq_n_f32(0);
+        int c = 0;
+        for (; c + 4 <= cols; c += 4) m = vmaxq_f32(m, vabsq_f32(vld1q_f32(xr + c)));
+        float amax = vmaxvq_f32(m);
+        for (; c < cols; c++) { float a = fabsf(xr[c]); if (a > amax) amax = a; }
+        float inv = amax > 0 ? 127.0f / amax : 0;
+        const float32x4_t vinv = vdupq_n_f32(inv);
+        c = 0;
+        for (; c + 8 <= cols; c += 8) {
+            int32x4_t a = vcvtnq_s32_f32(vmulq_f32(vld1q_f32(xr + c), vinv));
+            int32x4_t b = vcvtnq_s32_f32(vmulq_f32(vld1q_f32(xr + c + 4), vinv));
+            int8x8_t v = vqmovn_s16(vcombine_s16(vqmovn_s32(a), vqmovn_s32(b)));
+            vst1_s8(qr + c, vmax_s8(v, lo));
+        }
+        for (; c < cols; c++) {
+            long v = lrintf(xr[c] * inv);
+            qr[c] = (int8_t)(v > 127 ? 127 : v < -127 ? -127 : v);
+        }
+        scale[i] = amax / 127.0f;
+    }
+}
+
+/* Four 8-lane accumulators (c/8 mod 4), summed (a0+a1)+(a2+a3), then as above. */
+static float neon_dot(const float *a, const float *b, int n) {
+    neon_f8x acc[4] = {neon_zero(), neon_zero(), neon_zero(), neon_zero()};
+    int c = 0, k = 0;
+    for (; c + 32 <= n; c += 32)
+#pragma GCC unroll 4
+        for (int j = 0; j < 4; j++) acc[j] = neon_fma(acc[j], neon_load_x(a + c + 8 * j), neon_load_x(b + c + 8 * j));
+    for (; c + 8 <= n; c += 8, k++) acc[k] = neon_fma(acc[k], neon_load_x(a + c), neon_load_x(b + c));
+    if (c < n) {
+        float ba[8] = {0}, bb[8] = {0};
+        memcpy(ba, a + c, (size_t)(n - c) * sizeof(float));
+        memcpy(bb, b + c, (size_t)(n - c) * sizeof(float));
+        acc[k] = neon_fma(acc[k], neon_load_x(ba), neon_load_x(bb));
+    }
+    neon_f8x s;
+    s.lo = vaddq_f32(vaddq_f32(acc[0].lo, acc[1].lo), vaddq_f32(acc[2].lo, acc[3].lo));
+    s.hi = vaddq_f32(vaddq_f32(acc[0].hi, acc[1].hi), vaddq_f32(acc[2].hi, acc[3].hi));
+    return neon_hsum(s);
+}
+
+static void neon_axpy(float *y, const float *x, float a, int n) {
+    int c = 0;
+    for (; c + 4 <= n; c += 4) vst1q_f32(y + c, vfmaq_n_f32(vld1q_f32(y + c), vld1q_f32(x + c), a));
+    for (; c < n; c++) y[c] = fmaf(a, x[c], y[c]);   /* fused, as the vector lanes */
+}
+
+static const gl_kernels gl_neon_kernels = {
+    "neon", neon_matmul, neon_matmul_q8_plain, neon_quantize_q8, neon_dot, neon_axpy,
+};
+static const gl_kernels gl_neon_dot_kernels = {
+    "neon_dotprod", neon_matmul, neon_matmul_q8_dot, neon_quantize_q8, neon_dot, neon_axpy,
+};
+
+/* ---- CPU features ---- */
+
+enum { GL_ARM_DOTPROD = 1 };
+
+static int gl_arm_features(void) {
+#if defined(__linux__)
+    return (getauxval(AT_HWCAP) & HWCAP_ASIMDDP) ? GL_ARM_DOTPROD : 0;
+#elif defined(__APPLE__)
+    int v = 0;
+    size_t len = sizeof v;
+    if (sysctlbyname("hw.optional.arm.FEAT_DotProd", &v, &len, NULL, 0) == 0 && v) return GL_ARM_DOTPROD;
+    return 0;
+#else
+    return 0;
+#endif
+}

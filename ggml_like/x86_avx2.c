@@ -1,0 +1,406 @@
+/* x86_avx2.c -- AVX2 + FMA + F16C kernels (Haswell, Zen and later).
+ *
+ * Included from ggml_like.c.  Every function carries a target attribute, so
+ * the library builds without -mavx2; gl_kernels_get offers this set only when
+ * cpuid says the CPU and the OS have those features.
+ *
+ * Reduction order of one fp dot product W[r] . x[i] -- the same in every path
+ * below, whatever the tile shape, so results are batch invariant: lane l of
+ * one 8-wide accumulator takes w[c]*x[c] for c = l (mod 8) by FMA in
+ * increasing c; the last cols%8 columns form one zero-padded block; the lanes
+ * are summed as ((l0+l4)+(l2+l6)) + ((l1+l5)+(l3+l7)), the scalar set's order.
+ * Weights are widened to fp32 exactly (fp8 times its block scale, rounded
+ * once), the values gl_row_to_f32 gives.
+ *
+ * Loop structure (matmul): tokens in blocks whose activations fit in L2; in a
+ * block, weight rows in panels of 3 that stay in L1 while every token tile
+ * of 4 passes over them; one tile keeps 3x4 accumulators in registers, so
+ * each weight vector loaded serves 4 tokens and each activation vector 3
+ * rows.  With n = 1 the same tile streams 3 weight rows at once (the
+ * matrix-vector path, bound by memory bandwidth), prefetching ahead.  W8A8
+ * has the same structure with 2x4 tiles (it needs |w| and w in registers).
+ * A column-blocked GEMM (weights in L2, activations in L1, accumulators
+ * saved between blocks) was measured slower than this on Zen 3 at every n
+ * from 4 to 512, so there is one path. */
+#include <immintrin.h>
+
+#define GL_AVX2 __attribute__((target("avx2,fma,f16c")))
+#define GL_AVX2_INLINE static inline __attribute__((always_inline, target("avx2,fma,f16c")))
+
+#define AVX2_NR 3      /* weight rows per fp tile          */
+#define AVX2_NT 4      /* tokens per tile                  */
+#define AVX2_Q8_NR 2   /* weight rows per int8 tile        */
+#ifndef GL_TOKEN_BLOCK_BYTES
+#define GL_TOKEN_BLOCK_BYTES 262144 /* activations per token block */
+#endif
+#ifndef GL_PF_PANELS
+#define GL_PF_PANELS 2 /* prefetch distance, in panels     */
+#endif
+
+GL_AVX2_INLINE float avx2_hsum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1)); /* l0+l4 .. l3+l7 */
+    __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));                                 /* s0+s2, s1+s3  */
+    return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
+}
+
+GL_AVX2_INLINE int32_t avx2_hsum_i32(__m256i v) {
+    __m128i s = _mm_add_epi32(_mm256_castsi256_si128(v), _mm256_extracti128_si256(v, 1));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0x4e));
+    s = _mm_add_epi32(s, _mm_shuffle_epi32(s, 0xb1));
+    return _mm_cvtsi128_si32(s);
+}
+
+/* Mask of the first `rem` (0..8) lanes, for maskload/maskstore. */
+GL_AVX2_INLINE __m256i avx2_tail_mask(int rem) {
+    return _mm256_cmpgt_epi32(_mm256_set1_epi32(rem), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+}
+
+/* 8 weights of a stored type as fp32.  fp8 e4m3 goes through fp16: the
+ * bits s.eeee.mmm placed as s.0eeee.mmm0000000 are an fp16 of value v/256
+ * (subnormals included), so `scale` holds the block scale times 256: the
+ * product is v * scale rounded once.  (The e4m3 NaN code reads as 480.) */
+GL_AVX2_INLINE __m256 avx2_load_w(int type, const uint8_t *p, __m256 scale) {
+    switch (type) {
+    case GL_F32: return _mm256_loadu_ps((const float *)p);
+    case GL_F16: return _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+    case GL_BF16: {
+        __m256i u = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p));
+        return _mm256_castsi256_ps(_mm256_slli_epi32(u, 16));
+    }
+    default: {   /* GL_F8_E4M3 */
+        __m128i b = _mm_cvtepi8_epi16(_mm_loadl_epi64((const __m128i *)p));
+        __m128i h = _mm_and_si128(_mm_slli_epi16(b, 7), _mm_set1_epi16((short)0xbf80));
+        return _mm256_mul_ps(_mm256_cvtph_ps(h), scale);
+    }
+    }
+}
+
+/* One register tile: y[t*ldy + r+k] = W[r+k] . x[t*ldx] for k < nr, t < nt
+ * (constants after inlining, so acc[][] lives in registers).  pf: an
+ * address to prefetch from, at the pace this tile reads its rows. */
+GL_AVX2_INLINE void avx2_tile(int type, const gl_mat *w, int r, int nr, const float *x, int ldx, int nt,
+                              float *y, int ldy, const uint8_t *pf) {
+    const int cols = w->cols, full = cols & ~7;
+    const size_t es = gl_type_size(type);
+    const int bcols = (cols + GL_F8_BLOCK - 1) / GL_F8_BLOCK;
+    const uint8_t *wr[AVX2_NR];
+    const float *wsc[AVX2_NR];
+    __m256 acc[AVX2_NR][AVX2_NT], s[AVX2_NR], wv[AVX2_NR];
+#pragma GCC unroll 4
+    for (int k = 0; k < nr; k++) {
+        wr[k] = (const uint8_t *)w->data + (size_t)(r + k) * (size_t)cols * es;
+        wsc[k] = type == GL_F8_E4M3 ? w->scale + (size_t)((r + k) / GL_F8_BLOCK) * (size_t)bcols : NULL;
+        s[k] = _mm256_setzero_ps();
+#pragma GCC unroll 4
+        for (int t = 0; t < nt; t++) acc[k][t] = _mm256_setzero_ps();
+    }
+    for (int cb = 0; cb < cols; cb += GL_F8_BLOCK) {
+        if (type == GL_F8_E4M3) {
+#pragma GCC unroll 4
+            for (int k = 0; k < nr; k++) s[k] = _mm256_set1_ps(wsc[k][cb / GL_F8_BLOCK] * 256.0f);
+        }
+        int ce = cb + GL_F8_BLOCK < full ? cb + GL_F8_BLOCK : full;
+        for (int c = cb; c < ce; c += 8) {
+            const uint8_t *pc = pf + (size_t)c * (size_t)nr * es;
+            _mm_prefetch((const char *)pc, _MM_HINT_NTA);
+            if (nr * es * 8 > 64) _mm_prefetch((const char *)pc + 64, _MM_HINT_NTA);
+#pragma GCC unroll 4
+            for (int k = 0; k < nr; k++) wv[k] = avx2_load_w(type, wr[k] + (size_t)c * es, s[k]);
+#pragma GCC unroll 4
+            for (int t = 0; t < nt; t++) {
+                __m256 xv = _mm256_loadu_ps(x + (size_t)t * ldx + c);
+#pragma GCC unroll 4
+                for (int k = 0; k < nr; k++) acc[k][t] = _mm256_fmadd_ps(wv[k], xv, acc[k][t]);
+            }
+        }
+    }
+    if (full < cols) {   /* the zero-padded last block; s[] holds its scale */
+        const int rem = cols - full;
+        const __m256i mask = avx2_tail_mask(rem);
+#pragma GCC unroll 4
+        for (int k = 0; k < nr; k++) {
+            uint8_t buf[32] = {0};
+            memcpy(buf, wr[k] + (size_t)full * es, (size_t)rem * es);
+            wv[k] = avx2_load_w(type, buf, s[k]);
+        }
+#pragma GCC unroll 4
+        for (int t = 0; t < nt; t++) {
+            __m256 xv = _mm256_maskload_ps(x + (size_t)t * ldx + full, mask);
+#pragma GCC unroll 4
+            for (int k = 0; k < nr; k++) acc[k][t] = _mm256_fmadd_ps(wv[k], xv, acc[k][t]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < nt; t++)
+#pragma GCC unroll 4
+        for (int k = 0; k < nr; k++) y[(size_t)t * ldy + r + k] = avx2_hsum(acc[k][t]);
+}
+
+/* The tile for nt = 1..4 tokens (nr stays a constant). */
+GL_AVX2_INLINE void avx2_tile_nt(int type, const gl_mat *w, int r, int nr, const float *x, int ldx, int nt,
+                                 float *y, int ldy, const uint8_t *pf) {
+    switch (nt) {
+    case 4: avx2_tile(type, w, r, nr, x, ldx, 4, y, ldy, pf); break;
+    case 3: avx2_tile(type, w, r, nr, x, ldx, 3, y, ldy, pf); break;
+    case 2: avx2_tile(type, w, r, nr, x, ldx, 2, y, ldy, pf); break;
+    case 1: avx2_tile(type, w, r, nr, x, ldx, 1, y, ldy, pf); break;
+    }
+}
+
+/* Rows [r, r1) in panels of nr, times n tokens.  Each panel is read whole
+ * by every token tile in turn: the first tile pulls it from memory, the
+ * others find it in L1.  Rows are contiguous, so the first tile also
+ * prefetches the panel GL_PF_PANELS on (if still below r1) while it reads
+ * this one: the hardware prefetcher restarts at every page, and a panel is
+ * only a few pages.  (Non-temporal: weights read once should not push the
+ * activations out of L2; measured a little faster than T0 on Zen 3.) */
+GL_AVX2_INLINE void avx2_panels(int type, const gl_mat *w, int nr, const float *x, int n, int ldx,
+                                float *y, int ldy, int r, int r1) {
+    const size_t row_bytes = (size_t)w->cols * gl_type_size(type);
+    for (; r + nr <= r1; r += nr) {
+        const uint8_t *panel = (const uint8_t *)w->data + (size_t)r * row_bytes;
+        const uint8_t *pf = r + (GL_PF_PANELS + 1) * nr <= r1 ? panel + GL_PF_PANELS * (size_t)nr * row_bytes : panel;
+        for (int i = 0; i < n; i += AVX2_NT, pf = panel) {
+            int nt = n - i < AVX2_NT ? n - i : AVX2_NT;
+            avx2_tile_nt(type, w, r, nr, x + (size_t)i * ldx, ldx, nt, y + (size_t)i * ldy, ldy, pf);
+        }
+    }
+}
+
+/* Tokens per block: the activations of a block (fp32 or int8) stay in L2
+ * (~256 KB) while all the row panels pass over them. */
+static int gl_token_block(int cols, int elem_size) {
+    int nb = (int)(GL_TOKEN_BLOCK_BYTES / ((size_t)(cols > 0 ? cols : 1) * (size_t)elem_size));
+    nb &= ~(AVX2_NT - 1);
+    return nb < AVX2_NT ? AVX2_NT : nb;
+}
+
+GL_AVX2_INLINE void avx2_matmul_typed(int type, const gl_mat *w, const float *x, int n, int ldx,
+                                      float *y, int ldy, int r0, int r1) {
+    const int nb = gl_token_block(w->cols, 4), r = r0 + (r1 - r0) / AVX2_NR * AVX2_NR;
+    for (int i0 = 0; i0 < n; i0 += nb) {
+        const int ni = n - i0 < nb ? n - i0 : nb;
+        avx2_panels(type, w, AVX2_NR, x + (size_t)i0 * ldx, ni, ldx, y + (size_t)i0 * ldy, ldy, r0, r);
+        avx2_panels(type, w, 1, x + (size_t)i0 * ldx, ni, ldx, y + (size_t)i0 * ldy, ldy, r, r1);
+    }
+}
+
+static GL_AVX2 void avx2_matmul_f32(const gl_mat *w, const float *x, int n, int ldx, float *y, int ldy, int r0, int r1) {
+    avx2_matmul_typed(GL_F32, w, x, n, ldx, y, ldy, r0, r1);
+}
+static GL_AVX2 void avx2_matmul_f16(const gl_mat *w, const float *x, int n, int ldx, float *y, int ldy, int r0, int r1) {
+    avx2_matmul_typed(GL_F16, w, x, n, ldx, y, ldy, r0, r1);
+}
+static GL_AVX2 void avx2_matmul_bf16(const gl_mat *w, const float *x, int n, int ldx, float *y, int ldy, int r0, int r1) {
+    avx2_matmul_typed(GL_BF16, w, x, n, ldx, y, ldy, r0, r1);
+}
+static GL_AVX2 void avx2_matmul_f8(const gl_mat *w, const float *x, int n, int ldx, float *y, int ldy, int r0, int r1) {
+    avx2_matmul_typed(GL_F8_E4M3, w, x, n, ldx, y, ldy, r0, r1);
+}
+
+static void avx2_matmul(const gl_mat *w, const float *x, int n, int ldx, float *y, int ldy, int r0, int r1) {
+    switch (w->type) {
+    case GL_F32:     avx2_matmul_f32(w, x, n, ldx, y, ldy, r0, r1); break;
+    case GL_F16:     avx2_matmul_f16(w, x, n, ldx, y, ldy, r0, r1); break;
+    case GL_BF16:    avx2_matmul_bf16(w, x, n, ldx, y, ldy, r0, r1); break;
+    case GL_F8_E4M3: avx2_matmul_f8(w, x, n, ldx, y, ldy, r0, r1); break;
+    default:         scalar_matmul(w, x, n, ldx, y, ldy, r0, r1); break;
+    }
+}
+
+/* ---- W8A8 ----
+ * maddubs multiplies unsigned by signed bytes and adds pairs into int16
+ * (saturating), so: |w| (unsigned) times x*sign(w) (signed) = w*x, and a pair
+ * is at most 2*128*127 = 32512 < 32767 as long as the activations are never
+ * -128 (quantize_q8 keeps them in [-127, 127]; a weight of -128 would even
+ * be fine: its |w| is 128 as an unsigned byte).
+ * madd by ones widens the pairs to int32; int32 sums are exact, so any order
+ * and tiling gives the same bits.  y = (float)acc * wscale * xscale, in that
+ * order, as the scalar set. */
+
+GL_AVX2_INLINE __m256i avx2_mac_i8(__m256i acc, __m256i wabs, __m256i w, __m256i x, __m256i ones) {
+    __m256i pairs = _mm256_maddubs_epi16(wabs, _mm256_sign_epi8(x, w));
+    return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, ones));
+}
+
+/* As avx2_tile, for int8 rows and tokens (32 columns a step). */
+GL_AVX2_INLINE void avx2_tile_q8(const gl_mat *w, int r, int nr, const int8_t *xq, const float *xs, int ldx, int nt,
+                                 float *y, int ldy, const int8_t *pf) {
+    const int cols = w->cols, full = cols & ~31;
+    const __m256i ones = _mm256_set1_epi16(1);
+    const int8_t *wr[AVX2_Q8_NR];
+    __m256i acc[AVX2_Q8_NR][AVX2_NT], wv[AVX2_Q8_NR], wa[AVX2_Q8_NR];
+#pragma GCC unroll 4
+    for (int k = 0; k < nr; k++) {
+        wr[k] = (const int8_t *)w->data + (size_t)(r + k) * (size_t)cols;
+#pragma GCC unroll 4
+        for (int t = 0; t < nt; t++) acc[k][t] = _mm256_setzero_si256();
+    }
+    for (int c = 0; c < full; c += 32) {
+        _mm_prefetch((const char *)(pf + (size_t)c * nr), _MM_HINT_NTA);
+        if (nr > 2) _mm_prefetch((const char *)(pf + (size_t)c * nr + 64), _MM_HINT_NTA);
+#pragma GCC unroll 4
+        for (int k = 0; k < nr; k++) {
+            wv[k] = _mm256_loadu_si256((const __m256i *)(wr[k] + c));
+            wa[k] = _mm256_abs_epi8(wv[k]);
+        }
+#pragma GCC unroll 4
+        for (int t = 0; t < nt; t++) {
+            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (size_t)t * ldx + c));
+#pragma GCC unroll 4
+            for (int k = 0; k < nr; k++) acc[k][t] = avx2_mac_i8(acc[k][t], wa[k], wv[k], xv, ones);
+        }
+    }
+    if (full < cols) {   /* zero padding adds nothing to an exact sum */
+        const size_t rem = (size_t)(cols - full);
+#pragma GCC unroll 4
+        for (int k = 0; k < nr; k++) {
+            int8_t buf[32] = {0};
+            memcpy(buf, wr[k] + full, rem);
+            wv[k] = _mm256_loadu_si256((const __m256i *)buf);
+            wa[k] = _mm256_abs_epi8(wv[k]);
+        }
+#pragma GCC unroll 4
+        for (int t = 0; t < nt; t++) {
+            int8_t buf[32] = {0};
+            memcpy(buf, xq + (size_t)t * ldx + full, rem);
+            __m256i xv = _mm256_loadu_si256((const __m256i *)buf);
+#pragma GCC unroll 4
+            for (int k = 0; k < nr; k++) acc[k][t] = avx2_mac_i8(acc[k][t], wa[k], wv[k], xv, ones);
+        }
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < nt; t++)
+#pragma GCC unroll 4
+        for (int k = 0; k < nr; k++)
+            y[(size_t)t * ldy + r + k] = (float)avx2_hsum_i32(acc[k][t]) * w->scale[r + k] * xs[t];
+}
+
+GL_AVX2_INLINE void avx2_tile_q8_nt(const gl_mat *w, int r, int nr, const int8_t *xq, const float *xs, int ldx, int nt,
+                                    float *y, int ldy, const int8_t *pf) {
+    switch (nt) {
+    case 4: avx2_tile_q8(w, r, nr, xq, xs, ldx, 4, y, ldy, pf); break;
+    case 3: avx2_tile_q8(w, r, nr, xq, xs, ldx, 3, y, ldy, pf); break;
+    case 2: avx2_tile_q8(w, r, nr, xq, xs, ldx, 2, y, ldy, pf); break;
+    case 1: avx2_tile_q8(w, r, nr, xq, xs, ldx, 1, y, ldy, pf); break;
+    }
+}
+
+/* As avx2_panels. */
+GL_AVX2_INLINE void avx2_panels_q8(const gl_mat *w, int nr, const int8_t *xq, const float *xs, int n, int ldx,
+                                   float *y, int ldy, int r, int r1) {
+    const size_t row_bytes = (size_t)w->cols;
+    for (; r + nr <= r1; r += nr) {
+        const int8_t *panel = (const int8_t *)w->data + (size_t)r * row_bytes;
+        const int8_t *pf = r + (GL_PF_PANELS + 1) * nr <= r1 ? panel + GL_PF_PANELS * (size_t)nr * row_bytes : panel;
+        for (int i = 0; i < n; i += AVX2_NT, pf = panel) {
+            int nt = n - i < AVX2_NT ? n - i : AVX2_NT;
+            avx2_tile_q8_nt(w, r, nr, xq + (size_t)i * ldx, xs + i, ldx, nt, y + (size_t)i * ldy, ldy, pf);
+        }
+    }
+}
+
+static GL_AVX2 void avx2_matmul_q8(const gl_mat *w, const int8_t *xq, const float *xscale, int n, int ldx,
+                                   float *y, int ldy, int r0, int r1) {
+    const int nb = gl_token_block(w->cols, 1), r = r0 + (r1 - r0) / AVX2_Q8_NR * AVX2_Q8_NR;
+    for (int i0 = 0; i0 < n; i0 += nb) {
+        const int ni = n - i0 < nb ? n - i0 : nb;
+        const int8_t *xb = xq + (size_t)i0 * ldx;
+        avx2_panels_q8(w, AVX2_Q8_NR, xb, xscale + i0, ni, ldx, y + (size_t)i0 * ldy, ldy, r0, r);
+        avx2_panels_q8(w, 1, xb, xscale + i0, ni, ldx, y + (size_t)i0 * ldy, ldy, r, r1);
+    }
+}
+
+/* Same values as scalar_quantize_q8: max|x| is exact in any order, x*inv is
+ * one rounding, and cvtps rounds to nearest even like lrintf. */
+static GL_AVX2 void avx2_quantize_q8(const float *x, int n, int cols, int ldx, int8_t *q, int ldq, float *scale) {
+    const __m256 absmask = _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff));
+    const __m256i lo = _mm256_set1_epi8(-127), order = _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7);
+    for (int i = 0; i < n; i++) {
+        const float *xr = x + (size_t)i * ldx;
+        int8_t *qr = q + (size_t)i * ldq;
+        __m256 m = _mm256_setzero_ps();
+        int c = 0;
+        for (; c + 8 <= cols; c += 8) m = _mm256_max_ps(m, _mm256_and_ps(_mm256_loadu_ps(xr + c), absmask));
+        __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+        m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+        m4 = _mm_max_ss(m4, _mm_shuffle_ps(m4, m4, 1));
+        float amax = _mm_cvtss_f32(m4);
+        for (; c < cols; c++) { float a = fabsf(xr[c]); if (a > amax) amax = a; }
+        float inv = amax > 0 ? 127.0f / amax : 0;
+        const __m256 vinv = _mm256_set1_ps(inv);
+        c = 0;
+        for (; c + 32 <= cols; c += 32) {
+            __m256i a = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xr + c), vinv));
+            __m256i b = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xr + c + 8), vinv));
+            __m256i d = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xr + c + 16), vinv));
+            __m256i e = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xr + c + 24), vinv));
+            __m256i v = _mm256_packs_epi16(_mm256_packs_epi32(a, b), _mm256_packs_epi32(d, e));
+            v = _mm256_permutevar8x32_epi32(v, order);   /* undo the per-lane interleave of packs */
+            _mm256_storeu_si256((__m256i *)(qr + c), _mm256_max_epi8(v, lo));
+        }
+        for (; c < cols; c++) {
+            long v = lrintf(xr[c] * inv);
+            qr[c] = (int8_t)(v > 127 ? 127 : v < -127 ? -127 : v);
+        }
+        scale[i] = amax / 127.0f;
+    }
+}
+
+/* Four accumulators (c/8 mod 4), summed (a0+a1)+(a2+a3) then as above. */
+static GL_AVX2 float avx2_dot(const float *a, const float *b, int n) {
+    __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
+    int c = 0, k = 0;
+    for (; c + 32 <= n; c += 32)
+        for (int j = 0; j < 4; j++)
+            acc[j] = _mm256_fmadd_ps(_mm256_loadu_ps(a + c + 8 * j), _mm256_loadu_ps(b + c + 8 * j), acc[j]);
+    for (; c + 8 <= n; c += 8, k++) acc[k] = _mm256_fmadd_ps(_mm256_loadu_ps(a + c), _mm256_loadu_ps(b + c), acc[k]);
+    if (c < n) {
+        __m256i mask = avx2_tail_mask(n - c);
+        acc[k] = _mm256_fmadd_ps(_mm256_maskload_ps(a + c, mask), _mm256_maskload_ps(b + c, mask), acc[k]);
+    }
+    return avx2_hsum(_mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3])));
+}
+
+static GL_AVX2 void avx2_axpy(float *y, const float *x, float a, int n) {
+    const __m256 va = _mm256_set1_ps(a);
+    int c = 0;
+    for (; c + 8 <= n; c += 8) _mm256_storeu_ps(y + c, _mm256_fmadd_ps(va, _mm256_loadu_ps(x + c), _mm256_loadu_ps(y + c)));
+    if (c < n) {
+        __m256i mask = avx2_tail_mask(n - c);
+        __m256 v = _mm256_fmadd_ps(va, _mm256_maskload_ps(x + c, mask), _mm256_maskload_ps(y + c, mask));
+        _mm256_maskstore_ps(y + c, mask, v);
+    }
+}
+
+static const gl_kernels gl_avx2_kernels = {
+    "avx2", avx2_matmul, avx2_matmul_q8, avx2_quantize_q8, avx2_dot, avx2_axpy,
+};
+
+/* ---- CPU features ---- */
+#include <cpuid.h>
+
+enum { GL_X86_AVX2 = 1, GL_X86_AVX512 = 2 };
+
+static uint64_t gl_xgetbv0(void) {
+    uint32_t lo, hi;
+    __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+    return ((uint64_t)hi << 32) | lo;
+}
+
+/* Bits of GL_X86_*: instruction sets both the CPU and the OS (saved
+ * register state, XCR0) support. */
+static int gl_x86_features(void) {
+    unsigned a, b, c, d;
+    int f = 0;
+    if (!__get_cpuid(1, &a, &b, &c, &d)) return 0;
+    int osxsave = (c >> 27) & 1, avx = (c >> 28) & 1, fma = (c >> 12) & 1, f16c = (c >> 29) & 1;
+    if (!osxsave || !avx) return 0;
+    uint64_t xcr0 = gl_xgetbv0();
+    if ((xcr0 & 6) != 6) return 0;                       /* XMM and YMM state */
+    if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return 0;
+    if (((b >> 5) & 1) && fma && f16c) f |= GL_X86_AVX2;
+    int avx512 = ((b >> 16) & 1) && ((b >> 30) & 1) && ((b >> 31) & 1) && ((c >> 11) & 1); /* F BW VL VNNI */
+    if ((f & GL_X86_AVX2) && avx512 && (xcr0 & 0xe6) == 0xe6) f |= GL_X86_AVX512;   /* + opmask, ZMM state */
+    return f;
+}

@@ -1,0 +1,532 @@
+/* bench_kernels.c -- this machine's limits, and the kernels measured
+ * against them in the same run.
+ *
+ *   cc -O2 -std=c11 -pthread tests/bench_kernels.c -lm && ./a.out [--json] [--quick]
+ *
+ * Limits: read bandwidth (a sum over a buffer far larger than the caches,
+ * 1 thread and all), fp32 FMA peak and the int8 peak of the instructions the
+ * chosen kernel set uses (register-only loops: AVX2 sign/maddubs/madd/add,
+ * NEON smull/smlal/sadalp, or SDOT; no set uses VNNI yet, so it is not
+ * measured).  Kernels: matrix-vector (n=1, decode) in GB/s of weights read, as
+ * a share of the measured bandwidth, over enough matrices (> 64 MB) that
+ * none stays in cache; n=16 in time per weight byte against n=1; GEMM
+ * (n=512, prefill) in GOP/s as a share of the measured peak; and the cost of
+ * one empty gl_pool_run.  Every figure is the median of several runs: the
+ * machine may be shared. */
+#include "../ggml_like/ggml_like.c"
+
+#include <stdio.h>
+#include <time.h>
+
+static int json, quick, sweep;
+
+static double now(void) {
+    struct timespec ts;
+    clock_gettime(CLOCK_MONOTONIC, &ts);
+    return (double)ts.tv_sec + 1e-9 * (double)ts.tv_nsec;
+}
+
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+static double median(double *v, int n) {
+    qsort(v, (size_t)n, sizeof *v, cmp_double);
+    return n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
+}
+
+static void *xmalloc(size_t n) {
+    void *p = malloc(n);
+    if (!p) { fprintf(stderr, "out of memory (%zu bytes)\n", n); exit(2); }
+    return p;
+}
+
+static uint64_t rng = 88172645463325252ull;
+static uint64_t rng_u64(void) { rng ^= rng << 13; rng ^= rng >> 7; rng ^= rng << 17; return rng; }
+
+/* One row of the result table (and a JSON line with --json). */
+static void report(const char *what, double value, const char *unit, const char *vs, double ratio) {
+    if (json) {
+        printf("{\"bench\":\"%s\",\"value\":%.4g,\"unit\":\"%s\"", what, value, unit);
+        if (vs) printf(",\"vs\":\"%s\",\"ratio\":%.4f", vs, ratio);
+        printf("}\n");
+    } else if (vs) {
+        printf("%-40s %10.2f %-8s %6.1f%% of %s\n", what, value, unit, 100 * ratio, vs);
+    } else {
+        printf("%-40s %10.2f %-8s\n", what, value, unit);
+    }
+    fflush(stdout);
+}
+
+/* The 1-minute load average: a bench on a shared machine says how shared. */
+static double load_average(void) {
+    double l = -1;
+    FILE *f = fopen("/proc/loadavg", "r");
+    if (f) { if (fscanf(f, "%lf", &l) != 1) l = -1; fclose(f); }
+    return l;
+}
+
+/* ---- limits: register-only and streaming loops ---- */
+
+#if defined(__x86_64__) || defined(__i386__)
+#include <immintrin.h>
+#define BENCH_AVX2 __attribute__((target("avx2,fma")))
+
+static BENCH_AVX2 float sum_avx2(const float *p, size_t n) {
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    for (size_t i = 0; i + 32 <= n; i += 32) {
+        a0 = _mm256_add_ps(a0, _mm256_loadu_ps(p + i));
+        a1 = _mm256_add_ps(a1, _mm256_loadu_ps(p + i + 8));
+        a2 = _mm256_add_ps(a2, _mm256_loadu_ps(p + i + 16));
+        a3 = _mm256_add_ps(a3, _mm256_loadu_ps(p + i + 24));
+    }
+    float out[8];
+    _mm256_storeu_ps(out, _mm256_add_ps(_mm256_add_ps(a0, a1), _mm256_add_ps(a2, a3)));
+    return out[0] + out[1] + out[2] + out[3] + out[4] + out[5] + out[6] + out[7];
+}
+
+/* 12 independent FMA chains: enough to cover latency x throughput. */
+static BENCH_AVX2 float fma_avx2(long iters) {
+    __m256 a[12], m = _mm256_set1_ps(0.999999f), c = _mm256_set1_ps(1e-7f);
+#pragma GCC unroll 16
+    for (int j = 0; j < 12; j++) a[j] = _mm256_set1_ps((float)j);
+    for (long i = 0; i < iters; i++) {
+#pragma GCC unroll 16
+        for (int j = 0; j < 12; j++) a[j] = _mm256_fmadd_ps(a[j], m, c);
+        __asm__ volatile("" : "+x"(a[0]), "+x"(a[1]), "+x"(a[2]), "+x"(a[3]), "+x"(a[4]), "+x"(a[5]));
+    }
+    __m256 s = a[0];
+#pragma GCC unroll 16
+    for (int j = 1; j < 12; j++) s = _mm256_add_ps(s, a[j]);
+    return _mm256_cvtss_f32(s);
+}
+
+/* The int8 multiply-add the kernels use: sign, maddubs, madd, add; 6
+ * chains, each on its own activation vector so none can be shared. */
+static BENCH_AVX2 int int8_avx2(long iters) {
+    __m256i acc[6], x[6], w = _mm256_set1_epi8(3), ones = _mm256_set1_epi16(1);
+    __m256i wa = _mm256_abs_epi8(w);
+#pragma GCC unroll 16
+    for (int j = 0; j < 6; j++) acc[j] = _mm256_set1_epi32(j), x[j] = _mm256_set1_epi8((char)(j - 3));
+    for (long i = 0; i < iters; i++) {
+#pragma GCC unroll 16
+        for (int j = 0; j < 6; j++) {
+            __m256i p = _mm256_maddubs_epi16(wa, _mm256_sign_epi8(x[j], w));
+            acc[j] = _mm256_add_epi32(acc[j], _mm256_madd_epi16(p, ones));
+        }
+        /* the products must be recomputed every time */
+        __asm__ volatile("" : "+x"(x[0]), "+x"(x[1]), "+x"(x[2]), "+x"(x[3]), "+x"(x[4]), "+x"(x[5]), "+x"(w), "+x"(wa));
+    }
+    __m256i s = acc[0];
+#pragma GCC unroll 16
+    for (int j = 1; j < 6; j++) s = _mm256_add_epi32(s, acc[j]);
+    return _mm256_extract_epi32(s, 0);
+}
+#define FMA_FLOPS_PER_ITER (12 * 8 * 2)
+#define INT8_OPS_PER_ITER  (6 * 32 * 2)
+#endif
+
+#if defined(__aarch64__)
+#include <arm_neon.h>
+static float sum_neon(const float *p, size_t n) {
+    float32x4_t a0 = vdupq_n_f32(0), a1 = a0, a2 = a0, a3 = a0;
+    for (size_t i = 0; i + 16 <= n; i += 16) {
+        a0 = vaddq_f32(a0, vld1q_f32(p + i));
+        a1 = vaddq_f32(a1, vld1q_f32(p + i + 4));
+        a2 = vaddq_f32(a2, vld1q_f32(p + i + 8));
+        a3 = vaddq_f32(a3, vld1q_f32(p + i + 12));
+    }
+    return vaddvq_f32(vaddq_f32(vaddq_f32(a0, a1), vaddq_f32(a2, a3)));
+}
+static float fma_neon(long iters) {
+    float32x4_t a[16], m = vdupq_n_f32(0.999999f), c = vdupq_n_f32(1e-7f);
+#pragma GCC unroll 16
+    for (int j = 0; j < 16; j++) a[j] = vdupq_n_f32((float)j);
+    for (long i = 0; i < iters; i++) {
+#pragma GCC unroll 16
+        for (int j = 0; j < 16; j++) a[j] = vfmaq_f32(c, a[j], m);
+        __asm__ volatile("" : "+w"(a[0]), "+w"(a[1]), "+w"(a[2]), "+w"(a[3]));
+    }
+    float32x4_t s = a[0];
+#pragma GCC unroll 16
+    for (int j = 1; j < 16; j++) s = vaddq_f32(s, a[j]);
+    return vgetq_lane_f32(s, 0);
+}
+/* Without the dot-product extension: widening multiply, then pairwise add;
+ * 8 chains on 8 activation vectors. */
+static int int8_neon(long iters) {
+    int32x4_t acc[8];
+    int8x16_t x[8], w = vdupq_n_s8(3);
+#pragma GCC unroll 16
+    for (int j = 0; j < 8; j++) acc[j] = vdupq_n_s32(j), x[j] = vdupq_n_s8((int8_t)(j - 4));
+    for (long i = 0; i < iters; i++) {
+#pragma GCC unroll 16
+        for (int j = 0; j < 8; j++) {
+            int16x8_t p = vmull_s8(vget_low_s8(w), vget_low_s8(x[j]));
+            p = vmlal_high_s8(p, w, x[j]);
+            acc[j] = vpadalq_s16(acc[j], p);
+        }
+        __asm__ volatile("" : "+w"(x[0]), "+w"(x[1]), "+w"(x[2]), "+w"(x[3]), "+w"(x[4]), "+w"(x[5]), "+w"(x[6]), "+w"(x[7]), "+w"(w));
+    }
+    int32x4_t s = acc[0];
+#pragma GCC unroll 16
+    for (int j = 1; j < 8; j++) s = vaddq_s32(s, acc[j]);
+    return vgetq_lane_s32(s, 0);
+}
+/* With the dot-product extension (the neon_dotprod set's W8A8): SDOT. */
+#if defined(__clang__)
+#define BENCH_DOTPROD __attribute__((target("dotprod")))
+#else
+#define BENCH_DOTPROD __attribute__((target("arch=armv8.2-a+dotprod")))
+#endif
+static BENCH_DOTPROD int sdot_neon(long iters) {
+    int32x4_t acc[8];
+    int8x16_t x[8], w = vdupq_n_s8(3);
+#pragma GCC unroll 16
+    for (int j = 0; j < 8; j++) acc[j] = vdupq_n_s32(j), x[j] = vdupq_n_s8((int8_t)(j - 4));
+    for (long i = 0; i < iters; i++) {
+#pragma GCC unroll 16
+        for (int j = 0; j < 8; j++) acc[j] = neon_sdot(acc[j], w, x[j]);
+        __asm__ volatile("" : "+w"(x[0]), "+w"(x[1]), "+w"(x[2]), "+w"(x[3]), "+w"(x[4]), "+w"(x[5]), "+w"(x[6]), "+w"(x[7]), "+w"(w));
+    }
+    int32x4_t s = acc[0];
+#pragma GCC unroll 16
+    for (int j = 1; j < 8; j++) s = vaddq_s32(s, acc[j]);
+    return vgetq_lane_s32(s, 0);
+}
+#define FMA_FLOPS_PER_ITER (16 * 4 * 2)
+#define INT8_OPS_PER_ITER  (8 * 16 * 2)
+#define SDOT_OPS_PER_ITER  (8 * 16 * 2)
+#endif
+
+static float sum_floats(const float *p, size_t n) {
+#if defined(__x86_64__) || defined(__i386__)
+    if (__builtin_cpu_supports("avx2")) return sum_avx2(p, n);
+#elif defined(__aarch64__)
+    return sum_neon(p, n);
+#endif
+    float a[8] = {0};
+    for (size_t i = 0; i + 8 <= n; i += 8)
+        for (int l = 0; l < 8; l++) a[l] += p[i + l];
+    return a[0] + a[1] + a[2] + a[3] + a[4] + a[5] + a[6] + a[7];
+}
+
+/* Peak loops, one call per task. */
+typedef struct { int kind; long iters; const float *buf; size_t per_task; volatile float sink; } limit_job;
+
+static void limit_task(void *ctx, int task, int worker) {
+    (void)worker;
+    limit_job *j = ctx;
+    float s = 0;
+    if (j->kind == 0) s = sum_floats(j->buf + (size_t)task * j->per_task, j->per_task);
+#if defined(FMA_FLOPS_PER_ITER)
+#if defined(__x86_64__) || defined(__i386__)
+    else if (j->kind == 1) s = fma_avx2(j->iters);
+    else s = (float)int8_avx2(j->iters);
+#else
+    else if (j->kind == 1) s = fma_neon(j->iters);
+    else if (j->kind == 2) s = (float)int8_neon(j->iters);
+    else s = (float)sdot_neon(j->iters);
+#endif
+#endif
+    if (s == 12345.678f) j->sink = s;   /* keeps the result alive */
+}
+
+/* Seconds for one run of n_tasks tasks on pool p. */
+static double time_tasks(gl_pool *p, int n_tasks, gl_task_fn fn, void *ctx) {
+    double t0 = now();
+    gl_pool_run(p, n_tasks, fn, ctx);
+    return now() - t0;
+}
+
+/* ---- matrix products as cm384 runs them: chunks of >= 16 output rows ---- */
+
+typedef struct {
+    const gl_kernels *k;
+    const gl_mat *w;          /* n_mats matrices, run one after another */
+    int n_mats, n, chunk, chunks_per_mat;
+    const float *x; const int8_t *xq; const float *xs; int ldx;
+    float *y;
+} mm_bench;
+
+static void mm_bench_task(void *ctx, int task, int worker) {
+    (void)worker;
+    mm_bench *b = ctx;
+    const gl_mat *w = &b->w[task / b->chunks_per_mat];
+    int r0 = (task % b->chunks_per_mat) * b->chunk, r1 = r0 + b->chunk < w->rows ? r0 + b->chunk : w->rows;
+    if (w->type == GL_Q8) b->k->matmul_q8(w, b->xq, b->xs, b->n, b->ldx, b->y, w->rows, r0, r1);
+    else b->k->matmul(w, b->x, b->n, b->ldx, b->y, w->rows, r0, r1);
+}
+
+/* cm384's mm_run: ~8 chunks per worker, multiples of 16 rows. */
+static int chunk_rows(int rows, int workers) {
+    int want = workers > 1 ? workers * 8 : 1;
+    int chunk = (rows + want - 1) / want;
+    if (chunk < 16) chunk = 16;
+    return (chunk + 15) & ~15;
+}
+
+/* Seconds for one pass over all matrices, one parallel region per matrix
+ * (as the engine issues them). */
+static double time_matmul(gl_pool *p, mm_bench *b) {
+    b->chunk = chunk_rows(b->w[0].rows, gl_pool_size(p));
+    b->chunks_per_mat = (b->w[0].rows + b->chunk - 1) / b->chunk;
+    const gl_mat *all = b->w;
+    double t0 = now();
+    for (int m = 0; m < b->n_mats; m++) {
+        b->w = all + m;
+        gl_pool_run(p, b->chunks_per_mat, mm_bench_task, b);
+    }
+    b->w = all;
+    return now() - t0;
+}
+
+/* The limits, one measurement each; kept so each kernel run is paired with
+ * a limit measured just before it (the load on a shared machine drifts). */
+typedef struct {
+    gl_pool *p1, *pn;
+    float *buf; size_t buf_floats;
+    long iters;
+} limits;
+
+static double bandwidth_once(limits *L, gl_pool *p) {
+    enum { TASKS = 64 };
+    limit_job lj = {0, 0, L->buf, L->buf_floats / TASKS, 0};
+    return (double)L->buf_floats * 4 / time_tasks(p, TASKS, limit_task, &lj) / 1e9;
+}
+
+static double peak_once(limits *L, int kind) {   /* kind 1: fp32 FMA, 2: int8, 3: int8 SDOT */
+#if defined(FMA_FLOPS_PER_ITER)
+    int tasks = gl_pool_size(L->pn) * 2;
+    limit_job j = {kind, L->iters, NULL, 0, 0};
+#if defined(SDOT_OPS_PER_ITER)
+    double per = kind == 1 ? FMA_FLOPS_PER_ITER : kind == 2 ? INT8_OPS_PER_ITER : SDOT_OPS_PER_ITER;
+#else
+    double per = kind == 1 ? FMA_FLOPS_PER_ITER : INT8_OPS_PER_ITER;
+#endif
+    return per * (double)L->iters * tasks / time_tasks(L->pn, tasks, limit_task, &j) / 1e9;
+#else
+    (void)L; (void)kind;
+    return 0;
+#endif
+}
+
+/* Runs `reps` pairs (limit, kernel); reports the kernel's median value and
+ * the median of the per-pair ratios kernel/limit (or limit/kernel time for
+ * vs_is_time).  Returns the median kernel value. */
+typedef double (*measure_fn)(void *ctx);
+static double paired(const char *what, const char *unit, const char *vs, int reps,
+                     measure_fn kernel, void *kctx, measure_fn limit, void *lctx) {
+    double v[16], r[16];
+    if (reps > 16) reps = 16;
+    for (int i = 0; i < reps; i++) {
+        double l = limit ? limit(lctx) : 0;
+        v[i] = kernel(kctx);
+        r[i] = l > 0 ? v[i] / l : 0;
+    }
+    double mv = median(v, reps), mr = median(r, reps);
+    report(what, mv, unit, limit ? vs : NULL, mr);
+    return mv;
+}
+
+/* n_mats matrices of one type sharing nothing, filled with random values. */
+static gl_mat *make_mats(int type, int rows, int cols, int n_mats) {
+    gl_mat *w = xmalloc((size_t)n_mats * sizeof *w);
+    size_t bytes = (size_t)rows * cols * gl_type_size(type);
+    for (int m = 0; m < n_mats; m++) {
+        uint8_t *d = xmalloc(bytes);
+        for (size_t i = 0; i + 8 <= bytes; i += 8) {
+            uint64_t v = rng_u64();
+            if (type == GL_BF16) v = (v & 0x807f807f807f807full) | 0x3f003f003f003f00ull;   /* +-[0.5, 1) */
+            if (type == GL_Q8)
+                for (int j = 0; j < 8; j++) d[i + j] = (uint8_t)(int8_t)((int)((v >> (8 * j)) & 0xff) % 255 - 127);
+            else memcpy(d + i, &v, 8);
+        }
+        float *scale = NULL;
+        if (type == GL_Q8) {
+            scale = xmalloc((size_t)rows * sizeof(float));
+            for (int r = 0; r < rows; r++) scale[r] = 1.0f / 127;
+        }
+        w[m] = (gl_mat){type, rows, cols, d, scale};
+    }
+    return w;
+}
+static void free_mats(gl_mat *w, int n_mats) {
+    for (int m = 0; m < n_mats; m++) { free((void *)w[m].data); free((void *)w[m].scale); }
+    free(w);
+}
+
+/* measure_fn adapters for paired() */
+typedef struct { mm_bench b; gl_pool *p; double bytes; } mm_run_ctx;
+typedef struct { limits *L; gl_pool *p; } bw_ctx;
+typedef struct { limits *L; int kind; } peak_ctx;
+
+static double mm_gbps(void *ctx) { mm_run_ctx *c = ctx; return c->bytes / time_matmul(c->p, &c->b) / 1e9; }
+static double mm_gops(void *ctx) {
+    mm_run_ctx *c = ctx;
+    const gl_mat *w = c->b.w;
+    return 2.0 * w->rows * w->cols * c->b.n * c->b.n_mats / time_matmul(c->p, &c->b) / 1e9;
+}
+static double bw_measure(void *ctx) { bw_ctx *c = ctx; return bandwidth_once(c->L, c->p); }
+static double peak_measure(void *ctx) { peak_ctx *c = ctx; return peak_once(c->L, c->kind); }
+
+/* ---- pool overhead ---- */
+
+static void empty_task(void *ctx, int task, int worker) { (void)ctx; (void)task; (void)worker; }
+
+/* A task that busy-waits `ns`: with as many tasks as threads, a run takes
+ * that long plus the pool's own cost of starting and joining. */
+static void busy_task(void *ctx, int task, int worker) {
+    (void)task; (void)worker;
+    double until = now() + *(const double *)ctx * 1e-9;
+    while (now() < until) {}
+}
+
+/* ns per gl_pool_run of n_tasks tasks of busy_ns each (0: empty), minus
+ * the busy time itself: the median and the 10th percentile of single runs
+ * (on a shared machine the median includes runs where a worker was
+ * descheduled and the caller did its share; the 10th percentile is the
+ * pool's own cost when it has the cores). */
+static void pool_overhead_ns(gl_pool *p, int n_tasks, double busy_ns, double *p50, double *p10) {
+    enum { RUNS = 20001 };
+    static double t[RUNS];
+    for (int i = 0; i < RUNS; i++) {
+        double t0 = now();
+        gl_pool_run(p, n_tasks, busy_ns > 0 ? busy_task : empty_task, &busy_ns);
+        t[i] = (now() - t0) * 1e9 - busy_ns;
+    }
+    qsort(t, RUNS, sizeof *t, cmp_double);
+    *p50 = t[RUNS / 2];
+    *p10 = t[RUNS / 10];
+}
+
+int main(int argc, char **argv) {
+    for (int i = 1; i < argc; i++) {
+        if (!strcmp(argv[i], "--json")) json = 1;
+        else if (!strcmp(argv[i], "--quick")) quick = 1;
+        else if (!strcmp(argv[i], "--sweep")) sweep = 1;
+        else { fprintf(stderr, "usage: %s [--json] [--quick] [--sweep]\n", argv[0]); return 2; }
+    }
+    const gl_kernels *k = gl_kernels_get();
+    int threads = gl_n_cpus();
+    gl_pool *p1 = gl_pool_create(1), *pn = gl_pool_create(threads);
+    if (!p1 || !pn) { fprintf(stderr, "cannot create the worker pool\n"); return 1; }
+    if (!json) printf("kernel set %s, %d threads%s\n\n", k->name, threads, quick ? " (quick)" : "");
+    double load0 = load_average();
+    char what[96], vs[64];
+
+    /* limits */
+    limits L = {p1, pn, NULL, (size_t)(quick ? 64 : 256) << 18, quick ? 2000000 : 10000000};
+    L.buf = xmalloc(L.buf_floats * sizeof(float));                 /* 64 or 256 MB */
+    for (size_t i = 0; i < L.buf_floats; i++) L.buf[i] = (float)(i & 255);
+    /* the int8 peak of the instructions the chosen set uses */
+    int int8_kind = 2;
+#if defined(SDOT_OPS_PER_ITER)
+    if (gl_cpu_features() & GL_ARM_DOTPROD) int8_kind = 3;
+#endif
+    double bw1s[7], bwns[7], fmas[5], int8s[5];
+    for (int i = 0; i < 7; i++) { bw1s[i] = bandwidth_once(&L, p1); bwns[i] = bandwidth_once(&L, pn); }
+    for (int i = 0; i < 5; i++) { fmas[i] = peak_once(&L, 1); int8s[i] = peak_once(&L, int8_kind); }
+    double bw1 = median(bw1s, 7), bwn = median(bwns, 7), fma_peak = median(fmas, 5), int8_peak = median(int8s, 5);
+    report("read bandwidth, 1 thread", bw1, "GB/s", NULL, 0);
+    snprintf(what, sizeof what, "read bandwidth, %d threads", threads);
+    report(what, bwn, "GB/s", NULL, 0);
+    if (fma_peak > 0) {
+        snprintf(what, sizeof what, "fp32 FMA peak, %d threads", threads);
+        report(what, fma_peak, "GFLOP/s", NULL, 0);
+        snprintf(what, sizeof what, "int8 %s peak, %d threads", int8_kind == 3 ? "sdot" : "multiply-add", threads);
+        report(what, int8_peak, "GOP/s", NULL, 0);
+    }
+    if (!json) printf("(each ratio below: median over runs, each run against a limit measured just before it)\n");
+
+    /* matrix-vector (decode) and n=16, over > 64 MB of weights */
+    static const int shapes[][2] = {{2048, 2048}, {1408, 2048}};
+    static const int types[] = {GL_BF16, GL_Q8};
+    int cols_max = 2048, n_max = 512;
+    float *x = xmalloc((size_t)n_max * cols_max * sizeof(float));
+    int8_t *xq = xmalloc((size_t)n_max * cols_max);
+    float *xs = xmalloc((size_t)n_max * sizeof(float));
+    float *y = xmalloc((size_t)n_max * 2048 * sizeof(float));
+    for (size_t i = 0; i < (size_t)n_max * cols_max; i++) x[i] = (float)((int)(rng_u64() % 2001) - 1000) / 1000.0f;
+    k->quantize_q8(x, n_max, cols_max, cols_max, xq, cols_max, xs);
+    double total_mb = quick ? 96 : 160;
+    for (int ti = 0; ti < 2; ti++)
+        for (int si = 0; si < 2; si++) {
+            int type = types[ti], rows = shapes[si][0], cols = shapes[si][1];
+            double mat_bytes = (double)rows * cols * gl_type_size(type);
+            int n_mats = (int)(total_mb * 1048576 / mat_bytes) + 1;
+            gl_mat *w = make_mats(type, rows, cols, n_mats);
+            mm_run_ctx mc = {{k, w, n_mats, 1, 0, 0, x, xq, xs, cols_max, y}, pn, mat_bytes * n_mats};
+            const char *tn = type == GL_Q8 ? "q8" : "bf16";
+            bw_ctx bc = {&L, pn};
+            snprintf(what, sizeof what, "matmul n=1 %s %dx%d (%d mats)", tn, rows, cols, n_mats);
+            snprintf(vs, sizeof vs, "read bw %dT", threads);
+            double gb1 = paired(what, "GB/s", vs, 7, mm_gbps, &mc, bw_measure, &bc);
+            if (si == 0) {
+                mm_run_ctx mc1 = mc;
+                mc1.p = p1;
+                bw_ctx bc1 = {&L, p1};
+                snprintf(what, sizeof what, "matmul n=1 %s %dx%d, 1 thread", tn, rows, cols);
+                paired(what, "GB/s", "read bw 1T", 5, mm_gbps, &mc1, bw_measure, &bc1);
+            }
+            mc.b.n = 16;
+            snprintf(what, sizeof what, "matmul n=16 %s %dx%d", tn, rows, cols);
+            double gb16 = paired(what, "GB/s", NULL, 7, mm_gbps, &mc, NULL, NULL);
+            snprintf(what, sizeof what, "  n=16 / n=1 time per weight byte");
+            report(what, gb1 / gb16, "x", NULL, 0);
+            free_mats(w, n_mats);
+        }
+
+    /* GEMM (prefill): n=512, one matrix (2048x2048) */
+    for (int ti = 0; ti < 2; ti++) {
+        int type = types[ti], rows = 2048, cols = 2048, n = quick ? 128 : n_max;
+        gl_mat *w = make_mats(type, rows, cols, 1);
+        mm_run_ctx mc = {{k, w, 1, n, 0, 0, x, xq, xs, cols_max, y}, pn, 0};
+        peak_ctx pc = {&L, type == GL_Q8 ? int8_kind : 1};
+        mm_gops(&mc);   /* warm up */
+        snprintf(what, sizeof what, "gemm n=%d %s %dx%d", n, type == GL_Q8 ? "q8" : "bf16", rows, cols);
+        paired(what, "GOP/s", type == GL_Q8 ? "int8 peak" : "fp32 FMA peak", 5, mm_gops, &mc,
+               fma_peak > 0 ? peak_measure : NULL, &pc);
+        free_mats(w, 1);
+    }
+    /* --sweep: GOP/s against the number of tokens, 2048x2048 as in the
+       engine (chunks of rows over the pool), where decode turns into prefill */
+    if (sweep) {
+        static const int ns[] = {1, 2, 4, 8, 16, 24, 32, 48, 64, 128, 256, 512};
+        for (int ti = 0; ti < 2; ti++) {
+            int type = types[ti];
+            gl_mat *w = make_mats(type, 2048, 2048, 8);
+            for (size_t ni = 0; ni < sizeof ns / sizeof *ns; ni++) {
+                mm_run_ctx mc = {{k, w, 8, ns[ni], 0, 0, x, xq, xs, cols_max, y}, pn, 0};
+                snprintf(what, sizeof what, "sweep %s 2048x2048 n=%d", type == GL_Q8 ? "q8" : "bf16", ns[ni]);
+                double v[5];
+                for (int r = 0; r < 5; r++) v[r] = mm_gops(&mc);
+                report(what, median(v, 5), "GOP/s", NULL, 0);
+            }
+            free_mats(w, 8);
+        }
+    }
+    free(x); free(xq); free(xs); free(y); free(L.buf);
+
+    /* pool: empty regions (the caller may finish them alone), and regions
+       of one 5 us task per thread, which every worker should join */
+    double p50, p10;
+    pool_overhead_ns(pn, 16, 0, &p50, &p10);
+    snprintf(what, sizeof what, "empty gl_pool_run, %d threads, 16 tasks", threads);
+    report(what, p50, "ns", NULL, 0);
+    pool_overhead_ns(pn, threads, 5000, &p50, &p10);
+    snprintf(what, sizeof what, "gl_pool_run overhead, %d x 5us tasks", threads);
+    report(what, p50, "ns", NULL, 0);
+    snprintf(what, sizeof what, "  same, 10th percentile");
+    report(what, p10, "ns", NULL, 0);
+
+    double load1 = load_average();
+    if (load0 >= 0) {
+        snprintf(what, sizeof what, "load average before / after (%d CPUs)", threads);
+        if (json) printf("{\"bench\":\"load average\",\"before\":%.2f,\"after\":%.2f,\"cpus\":%d}\n", load0, load1, threads);
+        else printf("%-40s %5.2f / %.2f\n", what, load0, load1);
+    }
+    gl_pool_free(p1);
+    gl_pool_free(pn);
+    return 0;
+}

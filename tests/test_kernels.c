@@ -1,0 +1,544 @@
+/* test_kernels.c -- checks every kernel set this CPU runs against the scalar
+ * one, the batch-invariance rule, the number conversions and the pool.
+ *
+ *   cc -O2 -std=c11 -pthread tests/test_kernels.c -lm && ./a.out [seed]
+ *
+ * (It includes ggml_like.c itself, as cm384.c does.)  Prints one line per
+ * failure and ends with "kernels: N passed, N failed"; exits 0 only if all
+ * pass.  Each check counts once, however many values it compares.  Also
+ * meant to run under -fsanitize=address,undefined and -fsanitize=thread,
+ * and under qemu-aarch64 for the NEON sets. */
+#include "../ggml_like/ggml_like.c"
+
+#include <stdarg.h>
+#include <stdio.h>
+#include <time.h>
+
+static int n_passed, n_failed;
+
+static void check(int ok, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+static void check(int ok, const char *fmt, ...) {
+    if (ok) { n_passed++; return; }
+    n_failed++;
+    va_list ap;
+    va_start(ap, fmt);
+    printf("FAIL: ");
+    vprintf(fmt, ap);
+    printf("\n");
+    va_end(ap);
+}
+
+/* ---- helpers ---- */
+
+static uint64_t rng_state = 0x9e3779b97f4a7c15ull;
+static uint64_t rng_u64(void) {            /* xorshift64* */
+    rng_state ^= rng_state >> 12; rng_state ^= rng_state << 25; rng_state ^= rng_state >> 27;
+    return rng_state * 0x2545f4914f6cdd1dull;
+}
+static int   rng_int(int n) { return (int)(rng_u64() % (uint64_t)n); }
+static float rng_unif(void) { return (float)((double)(rng_u64() >> 40) / (double)(1ull << 24)) * 2.0f - 1.0f; }
+
+static uint32_t f2u(float f) { uint32_t u; memcpy(&u, &f, 4); return u; }
+static float u2f(uint32_t u) { float f; memcpy(&f, &u, 4); return f; }
+
+/* Same value, with NaN equal to NaN and +0 equal to -0. */
+static int same_value(float a, float b) { return (a != a && b != b) || a == b; }
+
+static void *xmalloc(size_t n) {
+    void *p = malloc(n ? n : 1);
+    if (!p) { printf("out of memory\n"); exit(2); }
+    return p;
+}
+
+static const char *type_name(int t) {
+    static const char *names[] = {"f32", "f16", "bf16", "f8e4m3", "q8"};
+    return t >= 0 && t < GL_TYPE_COUNT ? names[t] : "?";
+}
+
+/* A random weight matrix of a stored type, owning its buffers. */
+typedef struct { gl_mat m; void *data; float *scale; } test_mat;
+
+static test_mat make_mat(int type, int rows, int cols) {
+    test_mat t;
+    size_t count = (size_t)rows * cols;
+    t.data = xmalloc(count * gl_type_size(type));
+    t.scale = NULL;
+    for (size_t i = 0; i < count; i++) {
+        float v = rng_unif();
+        switch (type) {
+        case GL_F32:  ((float *)t.data)[i] = v; break;
+        case GL_F16:  ((uint16_t *)t.data)[i] = gl_f32_to_f16(v); break;
+        case GL_BF16: ((uint16_t *)t.data)[i] = gl_f32_to_bf16(v); break;
+        case GL_F8_E4M3: {
+            uint8_t b;
+            do b = (uint8_t)rng_u64(); while ((b & 0x7f) == 0x7f);   /* no NaN codes */
+            ((uint8_t *)t.data)[i] = b;
+            break;
+        }
+        case GL_Q8: ((int8_t *)t.data)[i] = (int8_t)(rng_int(256) - 128); break;   /* -128 too: allowed in weights */
+        }
+    }
+    if (type == GL_F8_E4M3) {
+        size_t nb = (size_t)((rows + 127) / 128) * (size_t)((cols + 127) / 128);
+        t.scale = xmalloc(nb * sizeof(float));
+        for (size_t i = 0; i < nb; i++) t.scale[i] = ldexpf(1.0f + 0.5f * rng_unif(), -8 + rng_int(4));
+    } else if (type == GL_Q8) {
+        t.scale = xmalloc((size_t)rows * sizeof(float));
+        for (int i = 0; i < rows; i++) t.scale[i] = (1.0f + 0.5f * rng_unif()) / 127.0f;
+    }
+    t.m.type = type; t.m.rows = rows; t.m.cols = cols; t.m.data = t.data; t.m.scale = t.scale;
+    return t;
+}
+static void free_mat(test_mat *t) { free(t->data); free(t->scale); }
+
+/* Activations: n rows of cols floats at stride ldx, plus their int8 form. */
+typedef struct { float *x; int8_t *xq; float *xs; int n, cols, ldx; } test_act;
+
+static test_act make_act(const gl_kernels *k, int n, int cols, int ldx) {
+    test_act a = {xmalloc((size_t)n * ldx * sizeof(float)), xmalloc((size_t)n * ldx), xmalloc((size_t)n * sizeof(float)), n, cols, ldx};
+    for (size_t i = 0; i < (size_t)n * ldx; i++) a.x[i] = rng_unif();
+    k->quantize_q8(a.x, n, cols, ldx, a.xq, ldx, a.xs);
+    return a;
+}
+static void free_act(test_act *a) { free(a->x); free(a->xq); free(a->xs); }
+
+/* One matrix product through a kernel set, either kind of weight. */
+static void run_mm(const gl_kernels *k, const gl_mat *w, const test_act *a, int i0, int n, float *y, int ldy, int r0, int r1) {
+    if (w->type == GL_Q8)
+        k->matmul_q8(w, a->xq + (size_t)i0 * a->ldx, a->xs + i0, n, a->ldx, y, ldy, r0, r1);
+    else
+        k->matmul(w, a->x + (size_t)i0 * a->ldx, n, a->ldx, y, ldy, r0, r1);
+}
+
+/* ---- conversions ---- */
+
+static double ref_f16(uint16_t h) {
+    int s = h >> 15, e = (h >> 10) & 31, m = h & 1023;
+    double v = e == 0 ? ldexp(m, -24) : e == 31 ? (m ? NAN : INFINITY) : ldexp(1024 + m, e - 25);
+    return s ? -v : v;
+}
+
+static double ref_f8(uint8_t b) {
+    int s = b >> 7, e = (b >> 3) & 15, m = b & 7;
+    double v = (e == 15 && m == 7) ? NAN : e == 0 ? ldexp(m, -9) : ldexp(8 + m, e - 10);
+    return s ? -v : v;
+}
+
+/* Nearest f16 to f by exhaustive comparison against the (sorted) finite
+ * positive halves, ties to the even code; overflow past 65504 + half an ulp. */
+static uint16_t ref_f32_to_f16(float f) {
+    uint16_t sign = f2u(f) >> 31 ? 0x8000 : 0;
+    double a = fabs((double)f);
+    if (f != f) return 0x7e00;
+    if (a >= 65520.0) return sign | 0x7c00;
+    int lo = 0, hi = 0x7bff;                  /* largest code with value <= a */
+    while (lo < hi) { int mid = (lo + hi + 1) / 2; if (ref_f16((uint16_t)mid) <= a) lo = mid; else hi = mid - 1; }
+    double d0 = a - ref_f16((uint16_t)lo), d1 = lo < 0x7bff ? ref_f16((uint16_t)(lo + 1)) - a : INFINITY;
+    int code = d0 < d1 ? lo : d1 < d0 ? lo + 1 : (lo & 1 ? lo + 1 : lo);
+    if (lo == 0x7bff && a > 65504.0) code = 0x7bff;
+    return (uint16_t)(sign | code);
+}
+
+static uint16_t ref_f32_to_bf16(float f) {
+    uint32_t u = f2u(f);
+    if (f != f) return (uint16_t)((u >> 16) | 0x40);
+    uint32_t lo = u & 0xffff0000u;
+    double vl = fabs((double)u2f(lo)), a = fabs((double)f);
+    double vh = ((lo >> 16) & 0x7fff) == 0x7f7f ? ldexp(1, 128) : fabs((double)u2f(lo + 0x10000u));
+    if ((lo & 0x7f800000u) == 0x7f800000u) return (uint16_t)(lo >> 16);   /* infinity */
+    double d0 = a - vl, d1 = vh - a;
+    int up = d1 < d0 || (d1 == d0 && ((lo >> 16) & 1));
+    return (uint16_t)((up ? lo + 0x10000u : lo) >> 16);
+}
+
+static void test_conversions(void) {
+    int bad = 0, first = -1;
+    for (int h = 0; h < 65536; h++) {
+        double r = ref_f16((uint16_t)h);
+        float f = gl_f16_to_f32((uint16_t)h);
+        if (!(same_value(f, (float)r) && (f2u(f) >> 31) == (uint32_t)(h >> 15))) { bad++; if (first < 0) first = h; }
+    }
+    check(!bad, "gl_f16_to_f32: %d of 65536 codes wrong (first 0x%04x)", bad, first);
+
+    bad = 0; first = -1;
+    for (int b = 0; b < 256; b++) {
+        double r = ref_f8((uint8_t)b);
+        float f = gl_f8e4m3_to_f32((uint8_t)b);
+        if (!same_value(f, (float)r)) { bad++; if (first < 0) first = b; }
+    }
+    check(!bad, "gl_f8e4m3_to_f32: %d of 256 codes wrong (first 0x%02x)", bad, first);
+
+    /* f32 -> f16: every finite half, the midpoints to its neighbours and one
+       float either side of them, both signs; then random floats. */
+    bad = 0; uint32_t firstu = 0;
+    for (int h = 0; h < 0x7c00; h++) {
+        float v = (float)ref_f16((uint16_t)h), nx = (float)ref_f16((uint16_t)(h + 1));
+        float mid = h < 0x7bff ? (float)(((double)v + (double)nx) / 2) : 65520.0f;
+        float probes[5] = {v, mid, nextafterf(mid, 0), nextafterf(mid, INFINITY), nextafterf(v, INFINITY)};
+        for (int j = 0; j < 5; j++)
+            for (int s = 0; s < 2; s++) {
+                float f = s ? -probes[j] : probes[j];
+                if (gl_f32_to_f16(f) != ref_f32_to_f16(f)) { if (!bad++) firstu = f2u(f); }
+            }
+    }
+    for (int i = 0; i < 300000; i++) {
+        uint32_t u = (uint32_t)rng_u64();
+        if (i & 1) u = (u & 0x8fffffffu) | 0x30000000u;   /* half of them near the f16 range */
+        float f = u2f(u);
+        if (f != f) continue;
+        if (gl_f32_to_f16(f) != ref_f32_to_f16(f)) { if (!bad++) firstu = u; }
+    }
+    check(!bad, "gl_f32_to_f16: %d wrong (first input bits 0x%08x)", bad, (unsigned)firstu);
+
+    bad = 0; firstu = 0;
+    static const uint32_t lows[] = {0, 1, 0x7fff, 0x8000, 0x8001, 0xffff};
+    for (uint32_t hi = 0; hi < 65536; hi++)
+        for (int j = 0; j < 7; j++) {
+            uint32_t u = (hi << 16) | (j < 6 ? lows[j] : (uint32_t)rng_u64() & 0xffff);
+            float f = u2f(u);
+            if (f != f) continue;
+            if (gl_f32_to_bf16(f) != ref_f32_to_bf16(f)) { if (!bad++) firstu = u; }
+        }
+    check(!bad, "gl_f32_to_bf16: %d wrong (first input bits 0x%08x)", bad, (unsigned)firstu);
+}
+
+static int code_is_finite(int type, int code) {
+    if (type == GL_F8_E4M3) return (code & 0x7f) != 0x7f;
+    if (type == GL_F16) return (code & 0x7c00) != 0x7c00;
+    return (code & 0x7f80) != 0x7f80;
+}
+
+/* Each set's own weight conversions, through its matmul: a [rows][9] matrix
+ * holding every code, times the unit vectors e_0..e_8 (8 columns through
+ * the vector path, 1 through the tail), must give each code's value. */
+static void test_set_conversions(const gl_kernels *k) {
+    for (int type = GL_F16; type <= GL_F8_E4M3; type++) {
+        int ncodes = type == GL_F8_E4M3 ? 256 : 65536, cols = 9;
+        int rows = type == GL_F8_E4M3 ? 300 : (ncodes + cols - 1) / cols;   /* f8: 3 row blocks */
+        size_t es = gl_type_size(type);
+        uint8_t *data = xmalloc((size_t)rows * cols * es);
+        int bcols = 1, brows = (rows + 127) / 128;
+        float *scale = xmalloc((size_t)brows * bcols * sizeof(float));
+        for (int b = 0; b < brows; b++) scale[b] = b == 0 ? 1.0f : ldexpf(1.5f, -b);   /* exact products */
+        /* infinities and NaNs times the zeros of x would make NaN for the
+           whole row: they are stored as 0 and their rows' checks skip them */
+        for (int i = 0; i < rows * cols; i++) {
+            int code = i % ncodes;
+            if (!code_is_finite(type, code)) code = 0;
+            if (es == 2) { uint16_t h = (uint16_t)code; memcpy(data + 2 * (size_t)i, &h, 2); }
+            else data[i] = (uint8_t)code;
+        }
+        gl_mat w = {type, rows, cols, data, type == GL_F8_E4M3 ? scale : NULL};
+        float *y = xmalloc((size_t)rows * sizeof(float));
+        int bad = 0, first = -1;
+        for (int j = 0; j < cols; j++) {
+            float x[9] = {0};
+            x[j] = 1.0f;
+            k->matmul(&w, x, 1, cols, y, rows, 0, rows);
+            for (int r = 0; r < rows; r++) {
+                int code = (r * cols + j) % ncodes;
+                double ref = type == GL_F16 ? ref_f16((uint16_t)code)
+                           : type == GL_BF16 ? (double)gl_bf16_to_f32((uint16_t)code)
+                           : ref_f8((uint8_t)code) * scale[r / 128];
+                if (!code_is_finite(type, code)) continue;
+                if (!same_value(y[r], (float)ref)) { bad++; if (first < 0) first = code; }
+            }
+        }
+        check(!bad, "%s: %s weight conversion: %d codes wrong (first 0x%x)", k->name, type_name(type), bad, first);
+        free(y); free(data); free(scale);
+    }
+}
+
+/* ---- quantization, dot, axpy ---- */
+
+static void test_quantize(const gl_kernels *k) {
+    const gl_kernels *s = gl_kernels_scalar();
+    static const int colss[] = {1, 7, 31, 32, 33, 129, 4097};
+    for (size_t ci = 0; ci < sizeof colss / sizeof *colss; ci++) {
+        int cols = colss[ci], n = 5, ldx = cols + 3;
+        float *x = xmalloc((size_t)n * ldx * sizeof(float));
+        for (int i = 0; i < n * ldx; i++) x[i] = rng_unif() * ldexpf(1, rng_int(8) - 4);
+        for (int c = 0; c < cols; c++) x[c] = 0;                /* row 0: all zero       */
+        x[ldx + rng_int(cols)] = 1000.0f;                        /* row 1: one big value  */
+        int8_t *q = xmalloc((size_t)n * ldx), *qs = xmalloc((size_t)n * ldx);
+        float sc[5], scs[5];
+        k->quantize_q8(x, n, cols, ldx, q, ldx, sc);
+        s->quantize_q8(x, n, cols, ldx, qs, ldx, scs);
+        int same = 1, bound = 1, range = 1;
+        for (int i = 0; i < n; i++) {
+            if (f2u(sc[i]) != f2u(scs[i])) same = 0;
+            int qmax = 0;
+            for (int c = 0; c < cols; c++) {
+                int v = q[(size_t)i * ldx + c];
+                if (v != qs[(size_t)i * ldx + c]) same = 0;
+                if (v < -127 || v > 127) range = 0;
+                if (abs(v) > qmax) qmax = abs(v);
+                /* round to nearest: |x - q*s| <= s/2, plus the rounding of x*inv */
+                double err = fabs((double)x[(size_t)i * ldx + c] - (double)v * sc[i]);
+                if (err > sc[i] * (0.5 + 1e-5)) bound = 0;
+            }
+            if (i == 0 ? sc[0] != 0 : qmax != 127) range = 0;
+        }
+        check(same, "%s: quantize_q8 cols=%d differs from scalar", k->name, cols);
+        check(bound, "%s: quantize_q8 cols=%d round trip off by more than half a step", k->name, cols);
+        check(range, "%s: quantize_q8 cols=%d values or scales out of range", k->name, cols);
+        free(x); free(q); free(qs);
+    }
+}
+
+/* fp32 sums in another order differ by at most about 2*depth*u*sum|terms|,
+ * u = 2^-24, depth = the longest chain of roundings (cols/8 per lane, plus
+ * the lane sum and the products). */
+static double fp_tol(int cols, double sum_abs) { return 2.0 * (cols / 8 + 8) * ldexp(1, -24) * sum_abs + 1e-37; }
+
+static void test_dot_axpy(const gl_kernels *k) {
+    const gl_kernels *s = gl_kernels_scalar();
+    static const int ns[] = {0, 1, 7, 8, 31, 33, 64, 129, 512, 4097};
+    float *a = xmalloc(4200 * sizeof(float)), *b = xmalloc(4200 * sizeof(float));
+    float *y = xmalloc(4200 * sizeof(float)), *ys = xmalloc(4200 * sizeof(float)), *buf = xmalloc(4210 * sizeof(float));
+    for (size_t ni = 0; ni < sizeof ns / sizeof *ns; ni++) {
+        int n = ns[ni];
+        for (int i = 0; i < n; i++) a[i] = rng_unif(), b[i] = rng_unif(), y[i] = ys[i] = rng_unif();
+        double sum_abs = 0;
+        for (int i = 0; i < n; i++) sum_abs += fabs((double)a[i] * b[i]);
+        float d = k->dot(a, b, n), ds = s->dot(a, b, n);
+        check(fabs((double)d - ds) <= fp_tol(n, sum_abs), "%s: dot n=%d: %.9g vs scalar %.9g", k->name, n, d, ds);
+        int aligned = 1;                          /* same bits at any alignment */
+        for (int off = 1; off < 8; off++) {
+            memcpy(buf + off, a, (size_t)n * sizeof(float));
+            if (f2u(k->dot(buf + off, b, n)) != f2u(d)) aligned = 0;
+        }
+        check(aligned, "%s: dot n=%d depends on the alignment", k->name, n);
+        float al = rng_unif();
+        k->axpy(y, a, al, n);
+        s->axpy(ys, a, al, n);
+        int ok = 1;
+        for (int i = 0; i < n; i++)
+            if (fabs((double)y[i] - ys[i]) > 4 * ldexp(1, -24) * (fabs((double)ys[i]) + fabs((double)al * a[i])) + 1e-37) ok = 0;
+        check(ok, "%s: axpy n=%d differs from scalar", k->name, n);
+    }
+    free(a); free(b); free(y); free(ys); free(buf);
+}
+
+/* ---- matmul against scalar ---- */
+
+static void test_matmul_vs_scalar(const gl_kernels *k) {
+    const gl_kernels *s = gl_kernels_scalar();
+    static const int colss[] = {1, 7, 31, 129, 4097}, rowss[] = {1, 5, 7, 17}, ns[] = {1, 3, 4, 5, 9};
+    float *wrow = xmalloc(4097 * sizeof(float));
+    for (int type = 0; type < GL_TYPE_COUNT; type++)
+        for (size_t ci = 0; ci < 6; ci++)          /* ci == 5: a random shape */
+            for (size_t ri = 0; ri < 4; ri++) {
+                int cols = ci < 5 ? colss[ci] : 1 + rng_int(700);
+                int rows = ci < 5 ? rowss[ri] : 1 + rng_int(40);
+                if (type == GL_F8_E4M3 && cols > 128) rows += 128;   /* two row blocks of scales */
+                int n = ci < 5 ? ns[(ci + ri + (size_t)type) % 5] : 1 + rng_int(12), ldx = cols + 1, ldy = rows + 2;
+                test_mat t = make_mat(type, rows, cols);
+                test_act a = make_act(s, n, cols, ldx);
+                float *y = xmalloc((size_t)n * ldy * sizeof(float)), *ys = xmalloc((size_t)n * ldy * sizeof(float));
+                run_mm(k, &t.m, &a, 0, n, y, ldy, 0, rows);
+                run_mm(s, &t.m, &a, 0, n, ys, ldy, 0, rows);
+                int bad = 0, ref_bad = 0;
+                double worst = 0;
+                for (int r = 0; r < rows; r++) {
+                    gl_row_to_f32(&t.m, r, wrow);
+                    for (int i = 0; i < n; i++) {
+                        float v = y[(size_t)i * ldy + r], vs = ys[(size_t)i * ldy + r];
+                        if (type == GL_Q8) {      /* int32 sums: exact */
+                            if (f2u(v) != f2u(vs)) bad++;
+                            continue;
+                        }
+                        double sum = 0, sum_abs = 0;
+                        for (int c = 0; c < cols; c++) {
+                            double p = (double)wrow[c] * a.x[(size_t)i * ldx + c];
+                            sum += p; sum_abs += fabs(p);
+                        }
+                        double d = fabs((double)v - vs);
+                        if (d > fp_tol(cols, sum_abs)) bad++;
+                        if (fabs((double)vs - sum) > fp_tol(cols, sum_abs) / 2) ref_bad++;
+                        if (sum_abs > 0 && d / sum_abs > worst) worst = d / sum_abs;
+                    }
+                }
+                check(!bad, "%s: matmul %s rows=%d cols=%d n=%d: %d values off (worst %.3g of sum|terms|)",
+                      k->name, type_name(type), rows, cols, n, bad, worst);
+                if (k == s)
+                    check(!ref_bad, "scalar: matmul %s rows=%d cols=%d n=%d: %d values off the exact sum",
+                          type_name(type), rows, cols, n, ref_bad);
+                free(y); free(ys); free_act(&a); free_mat(&t);
+            }
+    free(wrow);
+}
+
+/* W8A8 at the edges of int16 pair sums (maddubs saturates, and a slip
+ * there would only show with extreme values): every row and token is all
+ * -128, -127 or 127 (activations never -128), in long rows. */
+static void test_q8_extremes(const gl_kernels *k) {
+    const gl_kernels *s = gl_kernels_scalar();
+    enum { ROWS = 6, COLS = 4099, N = 5 };
+    static const int8_t wv[ROWS] = {-128, -127, 127, -128, 127, 1}, xv[N] = {-127, 127, -127, 127, 0};
+    int8_t *w = xmalloc((size_t)ROWS * COLS), *x = xmalloc((size_t)N * COLS);
+    float wscale[ROWS], xscale[N], y[N * ROWS], ys[N * ROWS];
+    for (int r = 0; r < ROWS; r++) {
+        wscale[r] = 1.0f / 127;
+        for (int c = 0; c < COLS; c++) w[(size_t)r * COLS + c] = r == 3 && c % 2 ? 127 : wv[r];
+    }
+    for (int i = 0; i < N; i++) {
+        xscale[i] = 1.0f / 127;
+        for (int c = 0; c < COLS; c++) x[(size_t)i * COLS + c] = i == 2 && c % 3 ? 127 : xv[i];
+    }
+    gl_mat m = {GL_Q8, ROWS, COLS, w, wscale};
+    k->matmul_q8(&m, x, xscale, N, COLS, y, ROWS, 0, ROWS);
+    s->matmul_q8(&m, x, xscale, N, COLS, ys, ROWS, 0, ROWS);
+    int bad = 0;
+    for (int j = 0; j < N * ROWS; j++) bad += f2u(y[j]) != f2u(ys[j]);
+    check(!bad, "%s: matmul_q8 with extreme values: %d of %d differ from scalar", k->name, bad, N * ROWS);
+    free(w); free(x);
+}
+
+/* ---- batch invariance ---- */
+
+typedef struct {
+    const gl_kernels *k; const gl_mat *w; const test_act *a;
+    float *y; int ldy, n, chunk;
+} pool_mm;
+
+static void pool_mm_task(void *ctx, int task, int worker) {
+    (void)worker;
+    pool_mm *pm = ctx;
+    int r0 = task * pm->chunk, r1 = r0 + pm->chunk < pm->w->rows ? r0 + pm->chunk : pm->w->rows;
+    run_mm(pm->k, pm->w, pm->a, 0, pm->n, pm->y, pm->ldy, r0, r1);
+}
+
+static void test_invariance(const gl_kernels *k, gl_pool *pool2, gl_pool *pool4) {
+    static const int colss[] = {7, 129, 300, 8200};   /* 8200: several token blocks */
+    for (int type = 0; type < GL_TYPE_COUNT; type++)
+        for (size_t ci = 0; ci < 4; ci++) {
+            int cols = colss[ci], rows = cols > 1000 ? 19 : 131, n = 37, ldx = cols + 5, ldy = rows + 3;
+            if (cols > 1000 && k == gl_kernels_scalar()) continue;   /* one code path, no blocks: spare the time */
+            test_mat t = make_mat(type, rows, cols);
+            test_act a = make_act(k, n, cols, ldx);
+            size_t ysz = (size_t)n * ldy;
+            float *ref = xmalloc(ysz * sizeof(float)), *y = xmalloc(ysz * sizeof(float));
+            run_mm(k, &t.m, &a, 0, n, ref, ldy, 0, rows);
+
+            /* (1) one token at a time, each from a copy at another alignment */
+            int bad = 0;
+            test_act one = make_act(k, 1, cols, cols + 8);
+            for (int i = 0; i < n; i++) {
+                int off = i % 8;
+                memcpy(one.x + off, a.x + (size_t)i * ldx, (size_t)cols * sizeof(float));
+                memcpy(one.xq + off, a.xq + (size_t)i * ldx, (size_t)cols);
+                one.xs[0] = a.xs[i];
+                test_act view = one;
+                view.x += off; view.xq += off;
+                float yrow[131];
+                run_mm(k, &t.m, &view, 0, 1, yrow, rows, 0, rows);
+                for (int r = 0; r < rows; r++) bad += f2u(yrow[r]) != f2u(ref[(size_t)i * ldy + r]);
+            }
+            check(!bad, "%s: %s cols=%d: %d values differ between n=1 and n=37", k->name, type_name(type), cols, bad);
+            free_act(&one);
+
+            /* (2) random row ranges times random token ranges */
+            bad = 0;
+            for (int trial = 0; trial < 16; trial++) {
+                int r0 = rng_int(rows), r1 = r0 + 1 + rng_int(rows - r0);
+                int i0 = rng_int(n), ni = 1 + rng_int(n - i0 < 9 ? n - i0 : 9);
+                for (size_t j = 0; j < ysz; j++) y[j] = NAN;
+                run_mm(k, &t.m, &a, i0, ni, y + (size_t)i0 * ldy, ldy, r0, r1);
+                for (int i = i0; i < i0 + ni; i++)
+                    for (int r = r0; r < r1; r++) bad += f2u(y[(size_t)i * ldy + r]) != f2u(ref[(size_t)i * ldy + r]);
+                /* nothing outside [r0,r1) x [i0,i0+ni) is written */
+                for (int i = 0; i < n; i++)
+                    for (int r = 0; r < ldy; r++)
+                        if ((i < i0 || i >= i0 + ni || r < r0 || r >= r1) && y[(size_t)i * ldy + r] == y[(size_t)i * ldy + r]) bad++;
+            }
+            check(!bad, "%s: %s cols=%d: %d values differ (or stray writes) under row/token splits", k->name, type_name(type), cols, bad);
+
+            /* (3) through the pool, 16-row chunks, 2 and 4 threads */
+            for (int pi = 0; pi < 2; pi++) {
+                gl_pool *p = pi ? pool4 : pool2;
+                pool_mm pm = {k, &t.m, &a, y, ldy, n, 16};
+                memset(y, 0, ysz * sizeof(float));
+                gl_pool_run(p, (rows + 15) / 16, pool_mm_task, &pm);
+                bad = 0;
+                for (int i = 0; i < n; i++)
+                    for (int r = 0; r < rows; r++) bad += f2u(y[(size_t)i * ldy + r]) != f2u(ref[(size_t)i * ldy + r]);
+                check(!bad, "%s: %s cols=%d: %d values differ through a pool of %d", k->name, type_name(type), cols, bad, gl_pool_size(p));
+            }
+            free(ref); free(y); free_act(&a); free_mat(&t);
+        }
+}
+
+/* ---- pool ---- */
+
+typedef struct { atomic_int *count; int n_workers; atomic_int bad_worker; int sleep_task; } pool_test;
+
+static void pool_count_task(void *ctx, int task, int worker) {
+    pool_test *pt = ctx;
+    atomic_fetch_add_explicit(&pt->count[task], 1, memory_order_relaxed);
+    if (worker < 0 || worker >= pt->n_workers) atomic_store(&pt->bad_worker, 1);
+    if (task == pt->sleep_task) { struct timespec ts = {0, 2000000}; nanosleep(&ts, NULL); }
+}
+
+static void test_pool(int threads) {
+    gl_pool *p = gl_pool_create(threads);
+    check(p && gl_pool_size(p) == threads, "pool: create(%d) failed", threads);
+    if (!p) return;
+    enum { MAX_TASKS = 5000 };
+    atomic_int *count = xmalloc(MAX_TASKS * sizeof(atomic_int));
+    pool_test pt = {count, threads, 0, -1};
+    int bad = 0;
+    for (int run = 0; run < 600; run++) {
+        int n_tasks = run < 20 ? run : 1 + rng_int(run % 7 == 0 ? MAX_TASKS : 64);
+        pt.sleep_task = -1;
+        if (run % 100 == 50) {           /* let the workers fall asleep first */
+            struct timespec ts = {0, 20000000};
+            nanosleep(&ts, NULL);
+        }
+        if (run % 100 == 75) pt.sleep_task = n_tasks - 1;   /* the caller waits long */
+        for (int t = 0; t < n_tasks; t++) atomic_init(&count[t], 0);
+        gl_pool_run(p, n_tasks, pool_count_task, &pt);
+        for (int t = 0; t < n_tasks; t++) bad += atomic_load(&count[t]) != 1;
+    }
+    /* back to back, few tasks: a worker still finishing one region while
+       the next is published must not take or run anything of it */
+    for (int run = 0; run < 5000; run++) {
+        int n_tasks = 2 + run % 4;
+        for (int t = 0; t < n_tasks; t++) atomic_init(&count[t], 0);
+        gl_pool_run(p, n_tasks, pool_count_task, &pt);
+        for (int t = 0; t < n_tasks; t++) bad += atomic_load(&count[t]) != 1;
+    }
+    check(!bad, "pool(%d): %d tasks not run exactly once", threads, bad);
+    check(!atomic_load(&pt.bad_worker), "pool(%d): worker index out of range", threads);
+    gl_pool_free(p);
+    free(count);
+}
+
+int main(int argc, char **argv) {
+    if (argc > 1) rng_state = strtoull(argv[1], NULL, 0) | 1;   /* another seed: other random shapes and data */
+    const gl_kernels *sets[8];
+    int n_sets = gl_kernels_all(sets, 8);
+    if (n_sets > 8) n_sets = 8;
+    printf("kernel sets:");
+    for (int i = 0; i < n_sets; i++) printf(" %s", sets[i]->name);
+    printf(" (gl_kernels_get: %s)\n", gl_kernels_get()->name);
+    check(gl_kernels_get() == sets[n_sets - 1], "gl_kernels_get is not the last of gl_kernels_all");
+    check(gl_kernels_by_name("scalar") == gl_kernels_scalar() && !gl_kernels_by_name("nope"), "gl_kernels_by_name");
+
+    test_conversions();
+    test_pool(2);
+    test_pool(4);
+    gl_pool *pool2 = gl_pool_create(2), *pool4 = gl_pool_create(4);
+    for (int s = 0; s < n_sets; s++) {
+        test_set_conversions(sets[s]);
+        test_quantize(sets[s]);
+        test_dot_axpy(sets[s]);
+        test_matmul_vs_scalar(sets[s]);
+        test_q8_extremes(sets[s]);
+        test_invariance(sets[s], pool2, pool4);
+    }
+    gl_pool_free(pool2);
+    gl_pool_free(pool4);
+    printf("kernels: %d passed, %d failed\n", n_passed, n_failed);
+    return n_failed ? 1 : 0;
+}
