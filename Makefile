@@ -23,8 +23,8 @@ NTOK    ?= 100
 
 all: $(B)/libcm384.a $(B)/cm384 $(B)/embed
 
-$(B):
-	@mkdir -p $(B) $(B)/asan $(B)/tsan
+$(B) $(B)/asan $(B)/tsan:
+	@mkdir -p $@
 
 $(B)/cm384.o: $(SRC) | $(B)
 	$(CC) $(CFLAGS) -c cm384.c -o $@
@@ -60,10 +60,10 @@ $(B)/test_%: tests/test_%.c tests/test.h $(SRC) | $(B)
 $(B)/test_alloc: tests/test_alloc.c tests/test.h $(SRC) | $(B)
 	$(CC) $(CFLAGS) $< -o $@ $(LDLIBS) -Wl,--wrap=malloc,--wrap=calloc,--wrap=realloc
 
-$(B)/asan/test_%: tests/test_%.c tests/test.h $(SRC) | $(B)
+$(B)/asan/test_%: tests/test_%.c tests/test.h $(SRC) | $(B)/asan
 	$(CC) -std=c11 -Wall -Wextra -pthread $(SAN) -fsanitize=address,undefined -fno-sanitize-recover=undefined $< -o $@ $(LDLIBS)
 
-$(B)/tsan/test_%: tests/test_%.c tests/test.h $(SRC) | $(B)
+$(B)/tsan/test_%: tests/test_%.c tests/test.h $(SRC) | $(B)/tsan
 	$(CC) -std=c11 -Wall -Wextra -pthread $(SAN) -fsanitize=thread $< -o $@ $(LDLIBS)
 
 test-bins: all $(TESTS:%=$(B)/test_%) $(ASAN_TESTS:%=$(B)/asan/test_%) $(TSAN_TESTS:%=$(B)/tsan/test_%)

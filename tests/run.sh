@@ -37,9 +37,10 @@ for t in tokenizer kernels golden loader engine alloc model; do
 done
 
 # the same under AddressSanitizer + UndefinedBehaviorSanitizer
-for t in tokenizer kernels golden loader model; do
+for t in tokenizer kernels golden loader; do
     step "asan+ubsan $t" env ASAN_OPTIONS=detect_leaks=1 "$B/asan/test_$t"
 done
+step "asan+ubsan model" env CM384_QUICK=1 ASAN_OPTIONS=detect_leaks=1 "$B/asan/test_model"
 step "asan+ubsan engine" env CM384_QUICK=1 ASAN_OPTIONS=detect_leaks=1 "$B/asan/test_engine"
 
 # threaded tests under ThreadSanitizer

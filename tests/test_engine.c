@@ -422,9 +422,14 @@ static void control(cm384_model *m) {
     job last = ref[0];
     reset_outputs(&last, 1);
     submit_job(e, &last);
-    for (int i = 0; i < 8; i++) { job *x = calloc(1, sizeof *x); *x = ref[i]; x->max_tokens = 30; submit_job(e, x); }
+    job *inflight = calloc(8, sizeof *inflight);
+    for (int i = 0; i < 8; i++) { inflight[i] = ref[i]; inflight[i].max_tokens = 30; reset_outputs(&inflight[i], 1); submit_job(e, &inflight[i]); }
     cm384_engine_free(e);            /* cancels what is running; each gets its final event */
-    printf("  engine freed with requests in flight\n");
+    int finals = 0;
+    for (int i = 0; i < 8; i++) finals += inflight[i].finals == 1;
+    printf("  engine freed with requests in flight: %d/8 got exactly one final event\n", finals);
+    CHECK(finals == 8, "requests in flight at engine_free: %d/8 final events", finals);
+    free(inflight);
     free(jobs);
     free(ref);
 }
