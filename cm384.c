@@ -3192,6 +3192,7 @@ typedef struct layer_q8 {
     gl_mat  wq_a, wq_b, wq, wkv_a, wo;
     ffn_w   dense, shared;
     ffn_w  *experts;
+    gl_mat  eh_proj, head;          /* MTP layers                                 */
 } layer_q8;
 
 struct cm384_model {
@@ -3218,6 +3219,7 @@ struct cm384_model {
        by every engine on this model (section 6) */
     pthread_mutex_t q8_mu;
     struct layer_q8 *q8;
+    gl_mat        q8_head;        /* lm_head in INT8                                       */
     arena         q8_arena;
     /* load-time progress */
     cm384_progress_fn progress;
@@ -4061,8 +4063,8 @@ typedef struct fwd_scratch {
     float  *hsel;              /* [cap][dim] normed rows that need logits          */
     int    *sel;               /* [cap] row of hsel (or -1)                         */
     /* INT8 W8A8: activations quantized per token before each INT8 product */
-    int8_t *xnq, *qaq, *attq, *ffq, *exq;   /* like xn, qa, att, ffa, ex_a          */
-    float  *xns, *qas, *atts, *ffs, *exs;   /* their per-row scales                  */
+    int8_t *xnq, *qaq, *attq, *ffq, *exq, *hselq;   /* like xn, qa, att, ffa, ex_a, hsel */
+    float  *xns, *qas, *atts, *ffs, *exs, *hsels;   /* their per-row scales              */
     int    *sel_first, *sel_n; /* [cap] per device group: its rows of hsel         */
 } fwd_scratch;
 
@@ -4115,6 +4117,7 @@ static void scratch_carve(carver *c, fwd_scratch *s, const hparams *hp, int cap,
     s->attq = carve(c, C * H * hp->v_head); s->atts = F(C);
     s->ffq = carve(c, C * inter); s->ffs = F(C);
     s->exq = carve(c, R * mi); s->exs = F(R);
+    s->hselq = carve(c, C * D); s->hsels = F(C);
     s->sel_first = carve(c, C * sizeof(int));
     s->sel_n = carve(c, C * sizeof(int));
 #undef F
@@ -4351,6 +4354,8 @@ static void t_norm(void *ctx, int g, int t, int worker) {
     if (op_q8(o) && o->kind != OP_HEAD) quantize_row(o->e, xn, D, s->xnq + (size_t)r * D, &s->xns[r]);
     if (o->kind == OP_HEAD) {
         if (s->sel[r] >= 0) memcpy(s->hsel + (size_t)s->sel[r] * D, xn, (size_t)D * sizeof(float));
+        if (s->sel[r] >= 0 && o->head->type == GL_Q8)
+            quantize_row(o->e, xn, D, s->hselq + (size_t)s->sel[r] * D, &s->hsels[s->sel[r]]);
         if (mb->h_out) memcpy(mb->h_out + (size_t)r * D, xn, (size_t)D * sizeof(float));
     }
 }
@@ -4849,6 +4854,7 @@ static void t_mtp_in(void *ctx, int g, int t, int worker) {
     gl_row_to_f32(&L->embed, mb->tok[r], row);
     rmsnorm(row, row, L->enorm, D, m->hp.eps);
     rmsnorm(row + D, o->h_in + (size_t)r * D, L->hnorm, D, m->hp.eps);
+    if (op_q8(o)) quantize_row(o->e, row, 2 * D, mb->s->ffq + (size_t)r * 2 * D, &mb->s->ffs[r]);
 }
 
 /* MTP input: x'_i = eh_proj([enorm(emb(t_{i+1})); hnorm(h_i)]) (embedding
@@ -4867,8 +4873,9 @@ static int mtp_in_stage(op *o, region *rg) {
         o->n_jobs = 0;
         FOR_GROUPS(mb, g) {
             size_t f = (size_t)mb->groups[g].first;
-            op_mm(o, rg, &m->layers[o->layer].eh_proj, mb->s->ffa + f * 2 * D, 2 * D, mb->s->x + f * D, D,
-                  mb->groups[g].n, mb->groups[g].device);
+            const layer_q8 *Q = op_q8(o);
+            op_mmq(o, rg, Q ? &Q->eh_proj : &m->layers[o->layer].eh_proj, mb->s->ffa + f * 2 * D, mb->s->ffq + f * 2 * D,
+                   mb->s->ffs + f, 2 * D, mb->s->x + f * D, D, mb->groups[g].n, mb->groups[g].device);
         }
         return 1;
     default:
@@ -4899,8 +4906,9 @@ static int head_stage(op *o, region *rg) {
         mb->pending = PEND_NONE;
         o->n_jobs = 0;
         if (mb->logits) FOR_GROUPS(mb, g)
-            op_mm(o, rg, o->head, s->hsel + (size_t)s->sel_first[g] * D, D, mb->logits + (size_t)s->sel_first[g] * V, V,
-                  s->sel_n[g], mb->groups[g].device);
+            op_mmq(o, rg, o->head, s->hsel + (size_t)s->sel_first[g] * D, s->hselq + (size_t)s->sel_first[g] * D,
+                   s->hsels + s->sel_first[g], D, mb->logits + (size_t)s->sel_first[g] * V, V,
+                   s->sel_n[g], mb->groups[g].device);
         return 1;
     default:
         return 0;
@@ -4923,6 +4931,7 @@ static void op_init(op *o, struct cm384_engine *e, microbatch *mb, int kind, int
     if (kind == OP_HEAD) {              /* layer -1: the main head; else an MTP layer's head */
         const cm384_model *m = e->m;
         o->head = layer < m->hp.n_layers ? &m->head : &m->layers[layer].head;
+        if (e->cfg.int8) o->head = layer < m->hp.n_layers ? &m->q8_head : &m->q8[layer].head;
         o->head_norm = layer < m->hp.n_layers ? m->final_norm : m->layers[layer].head_norm;
     }
 }
@@ -5127,7 +5136,8 @@ static int model_make_q8(cm384_model *m, gl_pool *pool) {
     if (m->q8) { pthread_mutex_unlock(&m->q8_mu); return CM384_OK; }
     const hparams *hp = &m->hp;
     int NL = hp->n_layers + hp->n_mtp, cap = 0;
-    for (int l = 0; l < NL; l++) cap += 4 + 3 + 3 * (hp->n_routed + 1);
+    for (int l = 0; l < NL; l++) cap += 5 + 3 + 2 + 3 * (hp->n_routed + 1);
+    cap += 1;
     layer_q8 *q8 = arena_alloc(&m->q8_arena, (size_t)NL * sizeof *q8);
     q8_job *jobs = CM384_MALLOC((size_t)cap * sizeof *jobs);
     int n = 0, tasks = 0, r = CM384_OK;
@@ -5152,6 +5162,7 @@ static int model_make_q8(cm384_model *m, gl_pool *pool) {
         ADD(&L->wkv_a, &Q->wkv_a); ADD(&L->wo, &Q->wo);
         ADD(&L->dense.gate, &Q->dense.gate); ADD(&L->dense.up, &Q->dense.up); ADD(&L->dense.down, &Q->dense.down);
         ADD(&L->shared.gate, &Q->shared.gate); ADD(&L->shared.up, &Q->shared.up); ADD(&L->shared.down, &Q->shared.down);
+        if (l >= hp->n_layers) { ADD(&L->eh_proj, &Q->eh_proj); ADD(&L->head, &Q->head); }
         if (L->is_moe) {
             Q->experts = arena_alloc(&m->q8_arena, (size_t)hp->n_routed * sizeof(ffn_w));
             if (!Q->experts) { r = fail(CM384_E_NOMEM, "out of memory for INT8 weights"); break; }
@@ -5162,6 +5173,7 @@ static int model_make_q8(cm384_model *m, gl_pool *pool) {
             }
         }
     }
+    ADD(&m->head, &m->q8_head);
 #undef ADD
     if (!r) {
         q8_ctx ctx = {jobs, n};

@@ -251,12 +251,14 @@ const gl_kernels *gl_kernels_by_name(const char *name) {
 }
 
 void gl_quantize_weight_q8(const gl_mat *w, int8_t *q, float *scale, int r0, int r1) {
+    /* every kernel set quantizes bit-identically, so take the fastest */
+    const gl_kernels *k = gl_kernels_get();
     float buf[4096];
     float *row = w->cols <= 4096 ? buf : malloc((size_t)w->cols * sizeof(float));
     if (!row) return;
     for (int r = r0; r < r1; r++) {
         gl_row_to_f32(w, r, row);
-        gl_scalar_kernels.quantize_q8(row, 1, w->cols, w->cols, q + (size_t)r * w->cols, w->cols, &scale[r]);
+        k->quantize_q8(row, 1, w->cols, w->cols, q + (size_t)r * w->cols, w->cols, &scale[r]);
     }
     if (row != buf) free(row);
 }

@@ -1,0 +1,128 @@
+#!/bin/sh
+# bench.sh -- `make bench`: this machine's limits, then cm384 against them.
+#
+#   1. limits: read bandwidth, FP32 and INT8 peaks, kernel efficiency
+#   2. tokenizer: 1 MB of mixed text
+#   3. per model (bench-S, bench-M, V2-Lite cut to 4 layers; written by
+#      models/gen/gen_synth into build/models the first time) in BF16 and
+#      INT8: prefill of a 512-token prompt, single-stream decode of 128
+#      tokens, 16-stream decode -- as tok/s, GB/s against the measured
+#      bandwidth, GOP/s against the measured peak, tok/s per TFLOPS
+#   4. the supernode: decode scaling over 1/4/16/64 streams, the emulation
+#      tax (default topology vs one device), the paper preset, context cache
+#      and INT8 dispatch
+# Numbers are medians of RUNS runs (default 3); the machine is shared.
+# BENCH_MODELS="bench-S" limits the models; BENCH_QUICK=1 runs less.
+B=${B:-build}
+RUNS=${RUNS:-3}
+T=${THREADS:-2}
+M=$B/models
+CLI=$B/cm384
+MODELS=${BENCH_MODELS:-"bench-S bench-M v2lite4"}
+[ -n "$BENCH_QUICK" ] && RUNS=1
+mkdir -p "$M"
+
+jget() { echo "$1" | sed -n "s/.*\"$2\":\([-0-9.e]*\).*/\1/p" | head -n 1; }
+median() { tr ' ' '\n' | grep -v '^$' | sort -g | awk '{a[NR]=$1} END {print a[int((NR+1)/2)]}'; }
+pct() { awk -v a="$1" -v b="$2" 'BEGIN { if (b > 0) printf "%.0f%%", 100 * a / b; else printf "-" }'; }
+ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b > 0) printf "%.2fx", a / b; else printf "-" }'; }
+
+echo "== 1. machine limits ($(nproc) CPUs, $T threads; load average $(cut -d' ' -f1 /proc/loadavg))"
+$B/bench_kernels --json >"$B/limits.json" 2>/dev/null
+$B/bench_kernels 2>/dev/null | sed -n '1,40p'
+BW=$(grep '"read bandwidth, 2 threads"' "$B/limits.json" | sed -n 's/.*"value":\([0-9.]*\).*/\1/p' | head -n 1)
+BW1=$(grep '"read bandwidth, 1 thread"' "$B/limits.json" | sed -n 's/.*"value":\([0-9.]*\).*/\1/p' | head -n 1)
+FP=$(grep '"bench":"fp32 FMA peak' "$B/limits.json" | sed -n 's/.*"value":\([0-9.]*\).*/\1/p' | head -n 1)
+I8=$(grep '"bench":"int8 multiply-add peak' "$B/limits.json" | sed -n 's/.*"value":\([0-9.]*\).*/\1/p' | head -n 1)
+echo "limits used below: read ${BW} GB/s (1 thread ${BW1}), FP32 ${FP} GFLOP/s, INT8 ${I8} GOP/s"
+
+echo
+echo "== 2. tokenizer"
+$B/test_tokenizer 2>/dev/null | grep 'benchmark:'
+
+gen() {   # gen NAME PRESET ARGS...
+    name=$1; preset=$2; shift 2
+    [ -f "$M/$name/config.json" ] && return 0
+    echo "writing $M/$name (gen_synth --preset $preset $*)"
+    $B/gen_synth --preset "$preset" "$@" --tokenizer tests/fixtures/tiny-dsv3 -q --force "$M/$name" || exit 1
+}
+for name in $MODELS; do
+    case $name in
+        bench-S) gen bench-S bench-S ;;
+        bench-M) gen bench-M bench-M ;;
+        v2lite4) gen v2lite4 v2-lite --set num_hidden_layers=4 --set bos_token_id=0 --set eos_token_id=1 ;;
+    esac
+done
+
+# run N times, print the median of a JSON field list: "f1 f2 ..." -> "m1 m2 ..."
+bench_median() {   # bench_median "fields" cli-args...
+    fields=$1; shift
+    outs=""
+    i=0
+    while [ $i -lt "$RUNS" ]; do
+        o=$($CLI bench "$@" --json 2>/dev/null)
+        outs="$outs
+$o"
+        i=$((i + 1))
+    done
+    res=""
+    for f in $fields; do
+        v=$(echo "$outs" | sed -n "s/.*\"$f\":\([-0-9.e]*\).*/\1/p" | median)
+        res="$res $v"
+    done
+    echo "$res"
+}
+
+echo
+echo "== 3. models: prefill 512 tokens, decode 128 tokens (1 stream), decode 16 streams; medians of $RUNS"
+printf '%-9s %-5s | %9s %8s %7s | %9s %8s %7s %9s | %9s %7s\n' model dtype "prefill" "GOP/s" "%peak" \
+    "decode" "GB/s" "%bw" "tok/s/TF" "16 strm" "x 1-st"
+for name in $MODELS; do
+    for q in bf16 int8; do
+        flag=""; peak=$FP
+        [ "$q" = int8 ] && flag="--int8" && peak=$I8
+        set -- $(bench_median "prefill_tok_s prefill_gops decode_tok_s decode_weight_gbs" -m "$M/$name" -p 512 -n 128 --requests 1 -t "$T" $flag)
+        pf=$1; gops=$2; dec=$3; gbs=$4
+        n16=$(bench_median "decode_tok_s" -m "$M/$name" -p 64 -n 64 --requests 16 --concurrency 16 -t "$T" $flag)
+        tf=$(awk -v d="$dec" -v p="$peak" 'BEGIN { printf "%.1f", d / (p / 1000) }')
+        printf '%-9s %-5s | %9.1f %8.1f %7s | %9.1f %8.2f %7s %9s | %9.1f %7s\n' "$name" "$q" "$pf" "$gops" "$(pct "$gops" "$peak")" \
+            "$dec" "$gbs" "$(pct "$gbs" "$BW")" "$tf" $n16 "$(ratio $n16 "$dec")"
+    done
+done
+echo "(GOP/s = 2 x active parameters x tok/s; GB/s = active weight bytes read per token x tok/s;"
+echo " %peak against the FP32 peak for bf16 and the INT8 peak for int8; tok/s/TF = decode tok/s per TFLOPS of that peak)"
+echo "llama.cpp anchors from the issue (Zen 5, Q8_0, 2 threads): bench-M prefill 357, decode 99; V2-Lite-4 prefill 218, decode 36"
+
+SM=$M/bench-M
+[ -f "$SM/config.json" ] || SM=$M/bench-S
+echo
+echo "== 4. the supernode on $(basename "$SM") (bf16): decode scaling and the emulation tax"
+printf '%-8s | %14s %14s %9s | %14s\n' streams "default tok/s" "1 device tok/s" "tax" "paper tok/s"
+for s in 1 4 16 64; do
+    R=$s; [ $s -lt 8 ] && R=8
+    d=$(bench_median "decode_tok_s" -m "$SM" -p 32 -n 64 --requests $R --concurrency $s -t "$T" --no-int8-dispatch)
+    one=$(bench_median "decode_tok_s" -m "$SM" -p 32 -n 64 --requests $R --concurrency $s -t "$T" --no-int8-dispatch --preset single)
+    pp=$(bench_median "decode_tok_s" -m "$SM" -p 32 -n 64 --requests $R --concurrency $s -t "$T" --no-int8-dispatch --preset paper)
+    tax=$(awk -v a="$d" -v b="$one" 'BEGIN { printf "%+.1f%%", 100 * (b - a) / b }')
+    printf '%-8s | %14.1f %14.1f %9s | %14.1f\n' "$s" "$d" "$one" "$tax" "$pp"
+done
+echo "(tax = how much slower the default topology decodes than one device doing everything; target within 10%)"
+
+echo
+echo "== 5. context cache and INT8 dispatch on $(basename "$SM")"
+for sp in 0 0.5 0.9; do
+    o=$($CLI bench -m "$SM" -p 512 -n 16 --requests 16 --concurrency 4 --shared-prefix $sp --tenants 2 -t "$T" --json 2>/dev/null)
+    printf 'shared prefix %3.0f%%: cache hit ratio %5.1f%%, TTFT p50 %7.1f ms, p99 %7.1f ms, prefill %7.1f tok/s\n' \
+        "$(awk -v x=$sp 'BEGIN{print 100*x}')" "$(awk -v x="$(jget "$o" cache_hit_ratio)" 'BEGIN{print 100*x}')" \
+        "$(jget "$o" ttft_p50_ms)" "$(jget "$o" ttft_p99_ms)" "$(jget "$o" prefill_tok_s)"
+done
+for d in on off; do
+    flag=""; [ $d = off ] && flag="--no-int8-dispatch"
+    o=$($CLI bench -m "$SM" -p 64 -n 32 --requests 8 --concurrency 8 -t "$T" $flag --json 2>/dev/null)
+    printf 'INT8 dispatch %-3s: dispatch %8.2f MB (bf16 would be %8.2f MB), combine %8.2f MB\n' "$d" \
+        "$(awk -v x="$(jget "$o" dispatch_bytes)" 'BEGIN{print x/1e6}')" \
+        "$(awk -v x="$(jget "$o" dispatch_bytes_bf16)" 'BEGIN{print x/1e6}')" \
+        "$(awk -v x="$(jget "$o" combine_bytes)" 'BEGIN{print x/1e6}')"
+done
+echo
+echo "load average at the end: $(cut -d' ' -f1-3 /proc/loadavg)"
