@@ -4031,6 +4031,8 @@ static void region_add_mm(region *rg, int n_workers, mm_job *jb, int device) {
 
 /* ---- per-microbatch working memory (carved from the pool) ---- */
 
+#define CORE_TILE 4       /* queries of one sequence the attention core takes together */
+
 typedef struct fwd_scratch {
     int     cap;               /* tokens                                          */
     float  *x, *xn;            /* [cap][dim] residual stream, normed input         */
@@ -4042,7 +4044,9 @@ typedef struct fwd_scratch {
     float  *att;               /* [cap][H][v]                                      */
     float  *tmp;               /* [cap][dim] block output before the residual add  */
     float  *ffa, *ffb;         /* [cap][max(inter, shared inter, 2*dim)]           */
-    float  *scores;            /* [workers][H][max_ctx]                            */
+    float  *scores;            /* [workers][H][CORE_TILE][max_ctx]                 */
+    int    *tile_row, *tile_n; /* [cap] attention-core tiles: first row, rows      */
+    int    *tile_first;        /* [cap+1] per device group: its first tile         */
     float  *router;            /* [cap][E] router logits                           */
     int    *top_id;            /* [cap][K] chosen experts                          */
     float  *top_w;             /* [cap][K] their weights                           */
@@ -4097,7 +4101,10 @@ static void scratch_carve(carver *c, fwd_scratch *s, const hparams *hp, int cap,
     s->q = F(C * H * (hp->qk_nope + hp->qk_rope)); s->kva = F(C * lat); s->qlat = F(C * H * lat);
     s->ctx = F(C * H * hp->kv_lora); s->att = F(C * H * hp->v_head); s->tmp = F(C * D);
     s->ffa = F(C * inter); s->ffb = F(C * inter);
-    s->scores = F((size_t)workers * H * (size_t)max_ctx);
+    s->scores = F((size_t)workers * H * CORE_TILE * (size_t)max_ctx);
+    s->tile_row = carve(c, C * sizeof(int));
+    s->tile_n = carve(c, C * sizeof(int));
+    s->tile_first = carve(c, (C + 1) * sizeof(int));
     s->router = F(C * E); s->top_w = F(C * K);
     s->top_id = carve(c, C * K * sizeof(int));
     s->row_of = carve(c, C * (K + 1) * sizeof(int));
@@ -4226,6 +4233,22 @@ static void region_run(region *rg) {
     rg->n_groups = rg->n_tasks = 0;
 }
 
+/* The embedder's log callback, if any (never on the token path's hot loop). */
+static void engine_log(const struct cm384_engine *e, int level, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 3, 4)))
+#endif
+    ;
+static void engine_log(const struct cm384_engine *e, int level, const char *fmt, ...) {
+    if (!e->cfg.log) return;
+    char msg[512];
+    va_list ap;
+    va_start(ap, fmt);
+    vsnprintf(msg, sizeof msg, fmt, ap);
+    va_end(ap);
+    e->cfg.log(e->cfg.log_user, level, msg);
+}
+
 static void quantize_row(const struct cm384_engine *e, const float *x, int n, int8_t *q, float *scale) {
     e->k->quantize_q8(x, 1, n, n, q, n, scale);
 }
@@ -4259,6 +4282,8 @@ static void fabric_count(struct cm384_engine *e, int src, int dst, uint64_t byte
 
 typedef struct dev_group { int device, first, n; } dev_group;
 
+#define FOR_GROUPS(mb, g) for (int g = 0; g < (mb)->n_groups; g++)
+
 enum { PEND_NONE, PEND_EMBED, PEND_ADD_TMP, PEND_COMBINE };
 enum { OP_ATTN, OP_FFN, OP_HEAD, OP_MTP_IN };
 
@@ -4288,6 +4313,7 @@ typedef struct op {
     const gl_mat        *head;      /* OP_HEAD                                          */
     const float         *head_norm;
     const float         *h_in;      /* OP_MTP_IN: [n][dim] main model's final hidden    */
+    int                  core_split;/* OP_ATTN: tasks per token in the attention core   */
 } op;
 
 static mm_job *op_job(op *o) {
@@ -4402,32 +4428,78 @@ static void t_absorb(void *ctx, int g, int h, int worker) {
     }
 }
 
-/* Attention core for one token, all heads: scores over its keys (in
- * position order), softmax, and the attended latent. */
-static void t_core(void *ctx, int g, int t, int worker) {
+/* Attention core for a tile of up to CORE_TILE consecutive queries of one
+ * sequence and a range of heads.  Scores come a KV block (16 keys) at a time
+ * from the matmul kernel -- the block's rows are the matrix, the queries its
+ * input -- so a key's row is read once for every query and head of the
+ * tile; then softmax, then the attended latent, summed over keys in
+ * position order.  Every (query, head) result is the same whatever tile or
+ * split it falls in: the kernel's per-row results do not depend on the
+ * batch, and the sums run in a fixed order. */
+static void t_core(void *ctx, int g, int task, int worker) {
     op *o = ctx;
     microbatch *mb = o->mb;
     struct cm384_engine *e = o->e;
     const hparams *hp = &e->m->hp;
     const gl_kernels *k = e->k;
-    int H = hp->n_heads, lat = hp->kv_lora + hp->qk_rope, r = mb->groups[g].first + t;
-    int n_keys = mb->pos[r] + 1, sh = mb->kv_shift, mc = e->max_ctx + 1;
-    float *sc = mb->s->scores + (size_t)worker * H * mc;
-    const float *qv = mb->s->qlat + (size_t)r * H * lat;
-    const int *tab = mb->tables[r];
+    fwd_scratch *s = mb->s;
+    int H = hp->n_heads, lat = hp->kv_lora + hp->qk_rope, R = hp->kv_lora, B = e->kv.block_tokens;
+    int tile = s->tile_first[g] + task / o->core_split;
+    int per = (H + o->core_split - 1) / o->core_split, h0 = task % o->core_split * per, h1 = h0 + per;
+    if (h1 > H) h1 = H;
+    int r0 = s->tile_row[tile], nq = s->tile_n[tile], sh = mb->kv_shift, mc = e->max_ctx + 1;
+    int p0 = mb->pos[r0], n_keys = mb->pos[r0 + nq - 1] + 1;       /* keys of the last query */
+    const int *tab = mb->tables[r0];
+    float *sc = s->scores + (size_t)worker * H * CORE_TILE * mc;  /* [h][q][key] */
+#define SC(h, q) (sc + ((size_t)(h) * CORE_TILE + (q)) * mc)
     float scale = e->m->attn_scale;
+    for (int j0 = 0; j0 < n_keys;) {
+        /* keys j0 .. j0+nk-1: consecutive rows of one block (slot = key + kv_shift) */
+        int nk = B - (j0 + sh) % B;
+        if (nk > n_keys - j0) nk = n_keys - j0;
+        gl_mat kb = {GL_F32, nk, lat, kv_row(&e->kv, tab, o->layer, j0 + sh), NULL};
+        for (int h = h0; h < h1; h++)
+            k->matmul(&kb, s->qlat + ((size_t)r0 * H + h) * lat, nq, H * lat, SC(h, 0) + j0, mc, 0, nk);
+        j0 += nk;
+    }
+    for (int q = 0; q < nq; q++)
+        for (int h = h0; h < h1; h++) {
+            float *p = SC(h, q);
+            int nkq = p0 + q + 1;
+            for (int j = 0; j < nkq; j++) p[j] *= scale;
+            softmax_inplace(p, nkq);
+        }
+    for (int q = 0; q < nq; q++)
+        for (int h = h0; h < h1; h++) memset(s->ctx + ((size_t)(r0 + q) * H + h) * R, 0, (size_t)R * sizeof(float));
     for (int j = 0; j < n_keys; j++) {
         const float *row = kv_row(&e->kv, tab, o->layer, j + sh);
-        for (int h = 0; h < H; h++) sc[(size_t)h * mc + j] = k->dot(qv + (size_t)h * lat, row, lat) * scale;
+        for (int q = j <= p0 ? 0 : j - p0; q < nq; q++)
+            for (int h = h0; h < h1; h++)
+                k->axpy(s->ctx + ((size_t)(r0 + q) * H + h) * R, row, SC(h, q)[j], R);
     }
-    float *out = mb->s->ctx + (size_t)r * H * hp->kv_lora;
-    for (int h = 0; h < H; h++) {
-        float *p = sc + (size_t)h * mc;
-        softmax_inplace(p, n_keys);
-        float *oh = out + (size_t)h * hp->kv_lora;
-        memset(oh, 0, (size_t)hp->kv_lora * sizeof(float));
-        for (int j = 0; j < n_keys; j++) k->axpy(oh, kv_row(&e->kv, tab, o->layer, j + sh), p[j], hp->kv_lora);
+#undef SC
+}
+
+/* Cuts each device group's rows into attention-core tiles: runs of
+ * consecutive positions of one sequence, at most CORE_TILE long. */
+static void core_tiles(microbatch *mb) {
+    fwd_scratch *s = mb->s;
+    int n = 0;
+    FOR_GROUPS(mb, g) {
+        s->tile_first[g] = n;
+        int end = mb->groups[g].first + mb->groups[g].n;
+        for (int r = mb->groups[g].first; r < end;) {
+            int len = 1;
+            while (r + len < end && len < CORE_TILE && mb->tables[r + len] == mb->tables[r] &&
+                   mb->pos[r + len] == mb->pos[r] + len)
+                len++;
+            s->tile_row[n] = r;
+            s->tile_n[n] = len;
+            n++;
+            r += len;
+        }
     }
+    s->tile_first[mb->n_groups] = n;
 }
 
 /* Values for one head over a device's rows: att[h] = W_uv[h] ctx[h]. */
@@ -4647,8 +4719,6 @@ static void t_combine(void *ctx, int en, int c, int worker) {
 
 /* ---- the operations ---- */
 
-#define FOR_GROUPS(mb, g) for (int g = 0; g < (mb)->n_groups; g++)
-
 static int attn_stage(op *o, region *rg) {
     microbatch *mb = o->mb;
     const hparams *hp = &o->e->m->hp;
@@ -4690,7 +4760,15 @@ static int attn_stage(op *o, region *rg) {
         FOR_GROUPS(mb, g) region_add(rg, t_absorb, o, g, H, mb->groups[g].device);
         return 1;
     case 5:
-        FOR_GROUPS(mb, g) region_add(rg, t_core, o, g, mb->groups[g].n, mb->groups[g].device);
+        core_tiles(mb);
+        {   /* enough tasks for every worker: split heads when tiles are few */
+            int tiles = mb->s->tile_first[mb->n_groups];
+            o->core_split = tiles >= 2 * o->e->n_workers ? 1 : (4 * o->e->n_workers + tiles - 1) / tiles;
+            if (o->core_split > H) o->core_split = H;
+        }
+        FOR_GROUPS(mb, g)
+            region_add(rg, t_core, o, g, (mb->s->tile_first[g + 1] - mb->s->tile_first[g]) * o->core_split,
+                       mb->groups[g].device);
         return 1;
     case 6:
         FOR_GROUPS(mb, g) region_add(rg, t_uv, o, g, H, mb->groups[g].device);
@@ -5693,6 +5771,8 @@ static void preempt(struct cm384_engine *e, request *r) {
     S->wait_head = r;
     if (!S->wait_tail) S->wait_tail = r;
     S->st.requests_preempted++;
+    engine_log(e, 2, "KV pool full: request %llu preempted after %d tokens; it will be recomputed",
+               (unsigned long long)r->id, r->n_tokens);
 }
 
 /* Stops a request after its latest token if it is done. */
@@ -5994,6 +6074,7 @@ static void decode_step(struct cm384_engine *e) {
         size_t n = (size_t)(hp->n_layers + hp->n_mtp) * hp->n_routed;
         for (size_t i = 0; i < n; i++) { uint64_t v = e->expert_load[i]; S->load_mark[i] = v - S->load_mark[i]; }
         eplb_rebalance(e, S->load_mark);
+        engine_log(e, 1, "EPLB: redundant experts re-placed from the load of the last 32 decode steps");
         memcpy(S->load_mark, e->expert_load, n * sizeof(uint64_t));
         S->steps_since_rebalance = 0;
     }
@@ -6277,7 +6358,6 @@ void cm384_config_init(cm384_config *c) {
     c->n_devices = 384;
     c->preset = "default";
     c->int8_dispatch = 1;
-    c->microbatches = 2;
 }
 
 void cm384_request_init(cm384_request *r) {
@@ -6389,7 +6469,8 @@ int cm384_engine_create(const cm384_model *m, const cm384_config *cfg, cm384_eng
     if (c.max_batch > 4096) return fail(CM384_E_INVALID, "max_batch %d is more than 4096", c.max_batch);
     if (c.kv_block_tokens <= 0) c.kv_block_tokens = 16;
     if (c.prefill_chunk <= 0) c.prefill_chunk = 512;
-    if (c.microbatches != 1) c.microbatches = 2;
+    if (c.microbatches <= 0) c.microbatches = !strcmp(preset, "paper") ? 2 : 1;
+    if (c.microbatches > 2) c.microbatches = 2;
 
     cm384_engine *e = CM384_CALLOC(1, sizeof *e);
     if (!e) return fail(CM384_E_NOMEM, "out of memory");
@@ -6478,6 +6559,10 @@ int cm384_engine_create(const cm384_model *m, const cm384_config *cfg, cm384_eng
         else e->thread_started = 1;
     }
     if (r) { cm384_engine_free(e); return r; }
+    engine_log(e, 1, "supernode: %d devices (%d prefill, %d decode-attention), preset %s, %d workers, "
+               "pool %.1f MB with %d KV blocks of %d tokens%s%s", e->n_dev, e->n_pre, e->n_attn, e->preset,
+               e->n_workers, e->pool_bytes / 1e6, e->kv.n_blocks, e->kv.block_tokens,
+               c.int8 ? ", INT8 W8A8" : "", e->mtp ? ", MTP" : "");
     *out = e;
     return CM384_OK;
 }

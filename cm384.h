@@ -274,23 +274,34 @@ typedef struct cm384_config {
     int          max_batch;        /* concurrent decoding requests (0 = 64)          */
     int          kv_block_tokens;  /* tokens per KV block (0 = 16)                   */
     size_t       kv_pool_bytes;    /* KV block pool (0 = enough for max_batch
-                                      requests of max_ctx tokens)                    */
+                                      requests of max_ctx tokens, at most 1 GiB)     */
     size_t       cache_bytes;      /* context-cache budget inside the pool
                                       (0 = half the pool; (size_t)-1 = off)          */
     int          prefill_chunk;    /* max prompt tokens per prefill step (0 = 512)   */
     /* mechanisms, each switchable */
-    int          int8;             /* 1: W8A8 INT8 matmuls; 0 (default): stored type */
+    int          int8;             /* 1: W8A8 -- weights int8 per output channel
+                                      (made once per model, shared by its engines),
+                                      activations int8 per token, int32 sums; the
+                                      router, norms, softmax and attention core stay
+                                      fp32.  0 (default): weights in stored type     */
     int          int8_dispatch;    /* 1 (default): quantize tokens to INT8 before
                                       dispatch to expert devices; 0: fp32            */
-    int          microbatches;     /* 1 or 2 (default 2): overlap attention of one
-                                      microbatch with MoE of the other               */
+    int          microbatches;     /* 2: one microbatch's attention shares each
+                                      parallel region with the other's MoE; 1: one
+                                      batch.  0 (default) = 2 in the paper preset, 1
+                                      otherwise: on a CPU, two microbatches read the
+                                      weights twice per step, which memory-bound
+                                      decode pays for                                */
     int          mtp;              /* 1: speculative decoding with the MTP layer
                                       when the model has one; 0 (default)            */
     double       tpot_target_ms;   /* SLO: cap the decode batch to keep time per
                                       output token under this (0 = no cap)           */
     /* observability */
     const char  *trace_path;       /* write a Chrome-trace JSON here (NULL = off)    */
-    cm384_log_fn log;              /* NULL = silent                                  */
+    cm384_log_fn log;              /* topology at creation, preemptions, expert
+                                      re-placement (level 1 info, 2 warning); called
+                                      on the creating or scheduler thread.
+                                      NULL = silent                                  */
     void        *log_user;
 } cm384_config;
 

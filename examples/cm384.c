@@ -51,7 +51,7 @@ static void usage(void) {
         "  --system TEXT     system prompt (chat)\n"
         "  --preset NAME     default | paper | single\n"
         "  --devices N       emulated devices (default 384)\n"
-        "  --microbatches N  1 or 2 (default 2)\n"
+        "  --microbatches N  1 or 2 (default: 2 with --preset paper, else 1)\n"
         "  --ctx N           max context (run/bench) or window (perplexity)\n"
         "  --int8            INT8 W8A8 weights\n"
         "  --no-int8-dispatch  dispatch tokens to experts in fp32\n"
@@ -66,7 +66,7 @@ static void usage(void) {
 static int parse(int argc, char **argv, opts *o) {
     memset(o, 0, sizeof *o);
     o->model = "models/shakespeare";
-    o->n_tokens = -1; o->n_prompt = -1; o->top = 5; o->int8_dispatch = 1; o->microbatches = 2;
+    o->n_tokens = -1; o->n_prompt = -1; o->top = 5; o->int8_dispatch = 1; o->microbatches = 0;
     o->requests = 16; o->concurrency = 16; o->tenants = 1; o->top_p = 1.0f; o->seed = 0;
     for (int i = 2; i < argc; i++) {
         const char *a = argv[i];

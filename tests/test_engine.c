@@ -294,6 +294,12 @@ static void int8_dispatch(cm384_model *m) {
 }
 
 /* ---- pool exhaustion ---- */
+static int n_log[3];
+static void count_log(void *user, int level, const char *msg) {
+    (void)user; (void)msg;
+    if (level >= 0 && level < 3) n_log[level]++;
+}
+
 static void exhaustion(cm384_model *m) {
     int N = quick ? 40 : 200;
     printf("pool exhaustion: %d requests, pool for about 10 at a time\n", N);
@@ -311,6 +317,8 @@ static void exhaustion(cm384_model *m) {
         cm384_config c;
         cm384_config_init(&c);
         c.n_workers = 2; c.int8_dispatch = 0; c.max_ctx = 128; c.kv_block_tokens = 16; c.mtp = mtp;
+        c.log = count_log;
+        memset(n_log, 0, sizeof n_log);
         size_t block = (size_t)(m->hp.n_layers + m->hp.n_mtp) * 16 * (m->hp.kv_lora + m->hp.qk_rope) * sizeof(float);
         c.kv_pool_bytes = 10 * 6 * block;              /* a request needs up to 6 blocks */
         cm384_engine_create(m, &c, &e);
@@ -327,6 +335,8 @@ static void exhaustion(cm384_model *m) {
                (unsigned long long)st.requests_preempted, (unsigned long long)st.kv_blocks_total);
         CHECK(finals == N && same == N, "exhaustion: %d finals, %d identical of %d", finals, same, N);
         CHECK(st.requests_done == (uint64_t)N, "stats say %llu done", (unsigned long long)st.requests_done);
+        CHECK(n_log[1] == 1 && (uint64_t)n_log[2] == st.requests_preempted,
+              "log: %d info, %d warnings for %llu preemptions", n_log[1], n_log[2], (unsigned long long)st.requests_preempted);
     }
     free(ref);
     free(got);
