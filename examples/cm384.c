@@ -450,7 +450,9 @@ static int cmd_bench(const opts *o) {
     double bpp = o->int8 ? 1.0 : !strcmp(in.weight_dtype, "F32") ? 4.0 : !strcmp(in.weight_dtype, "F8_E4M3") ? 1.0 : 2.0;
     double act_bytes = (double)in.n_active_params * bpp;
     double decode_gbs = C == 1 ? act_bytes * st.decode_tok_per_s / 1e9 : 0;   /* one stream reads them all per token */
-    double prefill_gops = 2.0 * (double)in.n_active_params * st.prefill_tok_per_s / 1e9;
+    /* a prompt token skips the head (only the last one needs logits) */
+    double prefill_params = (double)in.n_active_params - (double)in.vocab_size * in.hidden_size;
+    double prefill_gops = 2.0 * prefill_params * st.prefill_tok_per_s / 1e9;
     if (o->json) {
         printf("{\"active_params\":%llu,\"bytes_per_param\":%.1f,\"decode_weight_gbs\":%.2f,\"prefill_gops\":%.2f,",
                (unsigned long long)in.n_active_params, bpp, decode_gbs, prefill_gops);

@@ -89,9 +89,27 @@ for name in $MODELS; do
             "$dec" "$gbs" "$(pct "$gbs" "$BW")" "$tf" $n16 "$(ratio $n16 "$dec")"
     done
 done
-echo "(GOP/s = 2 x active parameters x tok/s; GB/s = active weight bytes read per token x tok/s;"
+echo "(prefill GOP/s = 2 x active parameters but the head x tok/s; GB/s = active weight bytes read per token x tok/s;"
 echo " %peak against the FP32 peak for bf16 and the INT8 peak for int8; tok/s/TF = decode tok/s per TFLOPS of that peak)"
-echo "llama.cpp anchors from the issue (Zen 5, Q8_0, 2 threads): bench-M prefill 357, decode 99; V2-Lite-4 prefill 218, decode 36"
+
+# llama.cpp on the same machine, when given: LLAMA_BENCH=path/to/llama-bench and
+# LLAMA_GGUF_DIR holding <model>-q8_0.gguf (converted from build/models/<model>)
+if [ -n "$LLAMA_BENCH" ] && [ -x "$LLAMA_BENCH" ]; then
+    echo
+    echo "== 3b. llama.cpp on this machine (llama-bench, Q8_0, $T threads) against cm384 INT8"
+    printf '%-9s | %12s %12s %7s | %12s %12s %7s\n' model "llama pp512" "cm384 pp512" ratio "llama tg128" "cm384 tg128" ratio
+    for name in $MODELS; do
+        g="$LLAMA_GGUF_DIR/$name-q8_0.gguf"
+        [ -f "$g" ] || continue
+        out=$("$LLAMA_BENCH" -m "$g" -p 512 -n 128 -t "$T" -r "$RUNS" -o csv 2>/dev/null)
+        lpp=$(echo "$out" | grep '"512","0"' | awk -F'","' '{print $(NF-1)}' | head -n 1)
+        ltg=$(echo "$out" | grep '"0","128"' | awk -F'","' '{print $(NF-1)}' | head -n 1)
+        cpp=$(bench_median "prefill_tok_s" -m "$M/$name" -p 512 -n 1 --requests 1 -t "$T" --int8)
+        ctg=$(bench_median "decode_tok_s" -m "$M/$name" -p 1 -n 128 --requests 1 -t "$T" --int8)
+        printf '%-9s | %12.1f %12.1f %7s | %12.1f %12.1f %7s\n' "$name" "$lpp" $cpp "$(ratio $cpp "$lpp")" "$ltg" $ctg "$(ratio $ctg "$ltg")"
+    done
+    echo "(tg128 and cm384's decode here start from an empty context, as llama-bench does)"
+fi
 
 SM=$M/bench-M
 [ -f "$SM/config.json" ] || SM=$M/bench-S
@@ -111,7 +129,7 @@ echo "(tax = how much slower the default topology decodes than one device doing 
 echo
 echo "== 5. context cache and INT8 dispatch on $(basename "$SM")"
 for sp in 0 0.5 0.9; do
-    o=$($CLI bench -m "$SM" -p 512 -n 16 --requests 16 --concurrency 4 --shared-prefix $sp --tenants 2 -t "$T" --json 2>/dev/null)
+    o=$($CLI bench -m "$SM" -p 256 -n 8 --requests 12 --concurrency 4 --shared-prefix $sp --tenants 2 -t "$T" --json 2>/dev/null)
     printf 'shared prefix %3.0f%%: cache hit ratio %5.1f%%, TTFT p50 %7.1f ms, p99 %7.1f ms, prefill %7.1f tok/s\n' \
         "$(awk -v x=$sp 'BEGIN{print 100*x}')" "$(awk -v x="$(jget "$o" cache_hit_ratio)" 'BEGIN{print 100*x}')" \
         "$(jget "$o" ttft_p50_ms)" "$(jget "$o" ttft_p99_ms)" "$(jget "$o" prefill_tok_s)"
