@@ -4471,11 +4471,18 @@ static void t_core(void *ctx, int g, int task, int worker) {
         }
     for (int q = 0; q < nq; q++)
         for (int h = h0; h < h1; h++) memset(s->ctx + ((size_t)(r0 + q) * H + h) * R, 0, (size_t)R * sizeof(float));
-    for (int j = 0; j < n_keys; j++) {
-        const float *row = kv_row(&e->kv, tab, o->layer, j + sh);
-        for (int q = j <= p0 ? 0 : j - p0; q < nq; q++)
+    for (int j0 = 0; j0 < n_keys;) {               /* a block's run of keys at a time */
+        int nk = B - (j0 + sh) % B;
+        if (nk > n_keys - j0) nk = n_keys - j0;
+        const float *rows = kv_row(&e->kv, tab, o->layer, j0 + sh);
+        for (int q = 0; q < nq; q++) {
+            int m = p0 + q + 1 - j0;                   /* keys of this run query q sees */
+            if (m <= 0) continue;
+            if (m > nk) m = nk;
             for (int h = h0; h < h1; h++)
-                k->axpy(s->ctx + ((size_t)(r0 + q) * H + h) * R, row, SC(h, q)[j], R);
+                k->axpy_rows(s->ctx + ((size_t)(r0 + q) * H + h) * R, rows, lat, SC(h, q) + j0, m, R);
+        }
+        j0 += nk;
     }
 #undef SC
 }

@@ -131,6 +131,14 @@ static void scalar_axpy(float *y, const float *x, float a, int n) {
     for (int i = 0; i < n; i++) y[i] += a * x[i];
 }
 
+static void scalar_axpy_rows(float *y, const float *x, int ldx, const float *a, int m, int n) {
+    for (int c = 0; c < n; c++) {
+        float acc = y[c];
+        for (int j = 0; j < m; j++) acc += a[j] * x[(size_t)j * ldx + c];
+        y[c] = acc;
+    }
+}
+
 /* One weight row converted to fp32 once, then dotted with every x row. */
 static void scalar_matmul(const gl_mat *w, const float *x, int n, int ldx,
                           float *y, int ldy, int r0, int r1) {
@@ -174,7 +182,7 @@ static void scalar_quantize_q8(const float *x, int n, int cols, int ldx, int8_t 
 }
 
 static const gl_kernels gl_scalar_kernels = {
-    "scalar", scalar_matmul, scalar_matmul_q8, scalar_quantize_q8, scalar_dot, scalar_axpy,
+    "scalar", scalar_matmul, scalar_matmul_q8, scalar_quantize_q8, scalar_dot, scalar_axpy, scalar_axpy_rows,
 };
 
 const gl_kernels *gl_kernels_scalar(void) { return &gl_scalar_kernels; }

@@ -91,6 +91,10 @@ typedef struct gl_kernels {
     void (*quantize_q8)(const float *x, int n, int cols, int ldx, int8_t *q, int ldq, float *scale);
     float (*dot)(const float *a, const float *b, int n);           /* fixed order */
     void  (*axpy)(float *y, const float *x, float a, int n);       /* y += a*x    */
+    /* y[c] += sum_j a[j] * x[j*ldx + c] for j = 0..m-1 in order: m axpys
+       in one pass (y stays in registers), bit-identical to calling axpy m
+       times.  The attention core's probabilities times values. */
+    void  (*axpy_rows)(float *y, const float *x, int ldx, const float *a, int m, int n);
 } gl_kernels;
 
 /* The best kernel set for this CPU (cpuid / hwcap probed once, then cached). */

@@ -291,6 +291,33 @@ static void test_quantize(const gl_kernels *k) {
  * the lane sum and the products). */
 static double fp_tol(int cols, double sum_abs) { return 2.0 * (cols / 8 + 8) * ldexp(1, -24) * sum_abs + 1e-37; }
 
+/* axpy_rows is m axpys in one pass: the same bits as calling axpy m times,
+ * and close to the scalar set. */
+static void test_axpy_rows(const gl_kernels *k) {
+    const gl_kernels *s = gl_kernels_scalar();
+    static const int ns[] = {1, 7, 8, 31, 32, 33, 512, 515}, ms[] = {1, 3, 16};
+    float *x = xmalloc(16 * 600 * sizeof(float)), *p = xmalloc(16 * sizeof(float));
+    float *y = xmalloc(600 * sizeof(float)), *y1 = xmalloc(600 * sizeof(float)), *ys = xmalloc(600 * sizeof(float));
+    for (size_t ni = 0; ni < sizeof ns / sizeof *ns; ni++)
+        for (size_t mi = 0; mi < sizeof ms / sizeof *ms; mi++) {
+            int n = ns[ni], m = ms[mi], ld = n + 5;
+            for (int i = 0; i < m * ld; i++) x[i] = rng_unif();
+            for (int j = 0; j < m; j++) p[j] = rng_unif();
+            for (int c = 0; c < n; c++) y[c] = y1[c] = ys[c] = rng_unif();
+            k->axpy_rows(y, x, ld, p, m, n);
+            for (int j = 0; j < m; j++) k->axpy(y1, x + (size_t)j * ld, p[j], n);
+            s->axpy_rows(ys, x, ld, p, m, n);
+            int same = 1, close = 1;
+            for (int c = 0; c < n; c++) {
+                same &= f2u(y[c]) == f2u(y1[c]);
+                close &= fabs((double)y[c] - ys[c]) <= 1e-5 * (1 + fabs((double)ys[c])) * m;
+            }
+            check(same, "%s: axpy_rows n=%d m=%d differs from m axpys", k->name, n, m);
+            check(close, "%s: axpy_rows n=%d m=%d differs from scalar", k->name, n, m);
+        }
+    free(x); free(p); free(y); free(y1); free(ys);
+}
+
 static void test_dot_axpy(const gl_kernels *k) {
     const gl_kernels *s = gl_kernels_scalar();
     static const int ns[] = {0, 1, 7, 8, 31, 33, 64, 129, 512, 4097};
@@ -533,6 +560,7 @@ int main(int argc, char **argv) {
         test_set_conversions(sets[s]);
         test_quantize(sets[s]);
         test_dot_axpy(sets[s]);
+        test_axpy_rows(sets[s]);
         test_matmul_vs_scalar(sets[s]);
         test_q8_extremes(sets[s]);
         test_invariance(sets[s], pool2, pool4);
