@@ -8,6 +8,9 @@
 #
 # The library is one translation unit: `cc -O2 -c cm384.c` builds it all.
 
+# the sanitizer builds compile the library many times: use every core
+MAKEFLAGS += -j$(shell nproc 2>/dev/null || echo 2)
+
 CC      ?= cc
 CFLAGS  ?= -O2 -g
 CFLAGS  += -std=c11 -Wall -Wextra -pthread
