@@ -52,8 +52,8 @@ run: $(B)/cm384
 # Each test program includes cm384.c (to reach internals) and prints
 # "name: N passed, N failed"; tests/run.sh sums them.
 
-TESTS      := tokenizer kernels golden loader engine alloc model
-ASAN_TESTS := tokenizer kernels golden loader engine model
+TESTS      := tokenizer kernels golden loader engine alloc model api
+ASAN_TESTS := tokenizer kernels golden loader engine model api
 TSAN_TESTS := engine kernels
 SAN        := -O1 -g -fno-omit-frame-pointer
 

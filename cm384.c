@@ -3954,6 +3954,8 @@ typedef struct rg_group {
     task_fn     fn;
     void       *ctx;
     int         arg, n, device, first;
+    const struct dev_group *split;   /* work fused for several devices: charged by rows */
+    int         n_split;
     const char *name;           /* trace label                                */
     int         layer, mb;
     _Atomic uint64_t t0, t1;    /* first task start, last task end (ns)       */
@@ -3974,6 +3976,8 @@ static uint64_t now_ns(void) {
     return (uint64_t)ts.tv_sec * 1000000000ull + (uint64_t)ts.tv_nsec;
 }
 
+static int region_groups(const region *rg) { return rg->n_groups; }
+
 static void region_add(region *rg, task_fn fn, void *ctx, int arg, int n, int device) {
     if (n <= 0) return;
     if (rg->n_groups == rg->cap) {
@@ -3984,6 +3988,7 @@ static void region_add(region *rg, task_fn fn, void *ctx, int arg, int n, int de
     rg_group *g = &rg->g[rg->n_groups++];
     g->fn = fn; g->ctx = ctx; g->arg = arg; g->n = n; g->device = device; g->first = rg->n_tasks;
     g->name = rg->name; g->layer = rg->layer; g->mb = rg->mb;
+    g->split = NULL; g->n_split = 0;
     atomic_store_explicit(&g->t0, UINT64_MAX, memory_order_relaxed);
     atomic_store_explicit(&g->t1, 0, memory_order_relaxed);
     rg->n_tasks += n;
@@ -4160,6 +4165,8 @@ struct cm384_engine {
     placement         place[2];              /* PHASE_PREFILL, PHASE_DECODE     */
     int              *red_devs, n_red;       /* devices for redundant experts   */
     int               shared_at_source;
+    int               fuse_groups;           /* stream a shared weight once for all
+                                                devices' rows (not in the paper preset) */
     /* the pool: KV blocks, cache index, microbatch buffers */
     uint8_t          *pool;
     size_t            pool_bytes;
@@ -4197,6 +4204,19 @@ struct cm384_engine {
     struct sched     *sched;
 };
 
+/* Work fused for several devices (a weight streamed once for all their
+ * rows) is charged to each device by its share of the rows. */
+typedef struct dev_group { int device, first, n; } dev_group;
+
+static int dev_group_device(const dev_group *g, int k) { return g[k].device; }
+
+static void charge_split(struct cm384_engine *e, int worker, const rg_group *g, uint64_t dt) {
+    int total = 0;
+    for (int k = 0; k < g->n_split; k++) total += g->split[k].n;
+    for (int k = 0; k < g->n_split; k++)
+        e->busy[(size_t)worker * e->n_dev + g->split[k].device] += total ? dt * (uint64_t)g->split[k].n / (uint64_t)total : 0;
+}
+
 static void region_task(void *ctx, int t, int worker) {
     region *rg = ctx;
     int lo = 0, hi = rg->n_groups - 1;
@@ -4209,7 +4229,8 @@ static void region_task(void *ctx, int t, int worker) {
     g->fn(g->ctx, g->arg, t - g->first, worker);
     uint64_t t1 = now_ns();
     struct cm384_engine *e = rg->e;
-    e->busy[(size_t)worker * e->n_dev + g->device] += t1 - t0;
+    if (g->split) charge_split(e, worker, g, t1 - t0);
+    else e->busy[(size_t)worker * e->n_dev + g->device] += t1 - t0;
     if (e->trace) {
         uint64_t v = atomic_load_explicit(&g->t0, memory_order_relaxed);
         while (t0 < v && !atomic_compare_exchange_weak_explicit(&g->t0, &v, t0, memory_order_relaxed, memory_order_relaxed)) {}
@@ -4222,12 +4243,15 @@ static void region_run(region *rg) {
     struct cm384_engine *e = rg->e;
     if (rg->n_tasks > 0) gl_pool_run(e->pool_threads, rg->n_tasks, region_task, rg);
     if (e->trace) {
-        for (int i = 0; i < rg->n_groups && e->n_tev < e->cap_tev; i++) {
+        for (int i = 0; i < rg->n_groups; i++) {
             rg_group *g = &rg->g[i];
-            trace_event *ev = &e->tev[e->n_tev++];
-            ev->device = g->device; ev->layer = g->layer; ev->mb = g->mb; ev->name = g->name;
-            ev->t0 = atomic_load_explicit(&g->t0, memory_order_relaxed);
-            ev->t1 = atomic_load_explicit(&g->t1, memory_order_relaxed);
+            for (int k = 0; k < (g->split ? g->n_split : 1) && e->n_tev < e->cap_tev; k++) {
+                trace_event *ev = &e->tev[e->n_tev++];
+                ev->device = g->split ? dev_group_device(g->split, k) : g->device;
+                ev->layer = g->layer; ev->mb = g->mb; ev->name = g->name;
+                ev->t0 = atomic_load_explicit(&g->t0, memory_order_relaxed);
+                ev->t1 = atomic_load_explicit(&g->t1, memory_order_relaxed);
+            }
         }
     }
     rg->n_groups = rg->n_tasks = 0;
@@ -4279,8 +4303,6 @@ static void fabric_count(struct cm384_engine *e, int src, int dst, uint64_t byte
  * expert); the outputs are written back into the source's combine buffer,
  * and the source sums them in top-k order -- a fixed order, whatever the
  * arrival order, so results do not depend on placement. */
-
-typedef struct dev_group { int device, first, n; } dev_group;
 
 #define FOR_GROUPS(mb, g) for (int g = 0; g < (mb)->n_groups; g++)
 
@@ -4335,8 +4357,26 @@ static void op_mmq(op *o, region *rg, const gl_mat *w, const float *x, const int
     region_add_mm(rg, o->e->n_workers, jb, device);
 }
 
-static void op_mm(op *o, region *rg, const gl_mat *w, const float *x, int ldx, float *y, int ldy, int n, int device) {
-    op_mmq(o, rg, w, x, NULL, NULL, ldx, y, ldy, n, device);
+/* y = W x over every device group's rows (x, xq, xs, y point at row 0).
+ * Each device computes its own rows; in the default topology the devices
+ * share one copy of W in this process, so the product streams W once for
+ * all of them and charges each by its rows -- the paper preset keeps one
+ * pass per device, the cost DP attention has when every device reads its
+ * own copy.  Rows, not groups, decide every result either way. */
+static void op_mm_rows(op *o, region *rg, const gl_mat *w, const float *x, const int8_t *xq, const float *xs,
+                       int ldx, float *y, int ldy) {
+    microbatch *mb = o->mb;
+    if (o->e->fuse_groups && mb->n_groups > 1) {
+        int first = region_groups(rg);
+        op_mmq(o, rg, w, x, xq, xs, ldx, y, ldy, mb->n, mb->groups[0].device);
+        if (region_groups(rg) > first) { rg->g[first].split = mb->groups; rg->g[first].n_split = mb->n_groups; }
+        return;
+    }
+    FOR_GROUPS(mb, g) {
+        size_t f = (size_t)mb->groups[g].first;
+        op_mmq(o, rg, w, x + f * ldx, xq ? xq + f * ldx : NULL, xs ? xs + f : NULL, ldx, y + f * ldy, ldy,
+               mb->groups[g].n, mb->groups[g].device);
+    }
 }
 
 /* The INT8 copy of layer l when the engine runs W8A8, else NULL. */
@@ -4741,15 +4781,9 @@ static int attn_stage(op *o, region *rg) {
     case 1:                                   /* down-projections: q_a (or q) and kv_a */
         mb->pending = PEND_NONE;
         o->n_jobs = 0;
-        FOR_GROUPS(mb, g) {
-            size_t f = (size_t)mb->groups[g].first;
-            int n = mb->groups[g].n, d = mb->groups[g].device;
-            const float *x = s->xn + f * D, *xs = s->xns + f;
-            const int8_t *xq = s->xnq + f * D;
-            if (hp->q_lora) op_mmq(o, rg, Q ? &Q->wq_a : &L->wq_a, x, xq, xs, D, s->qa + f * hp->q_lora, hp->q_lora, n, d);
-            else op_mmq(o, rg, Q ? &Q->wq : &L->wq, x, xq, xs, D, s->q + f * H * qk, H * qk, n, d);
-            op_mmq(o, rg, Q ? &Q->wkv_a : &L->wkv_a, x, xq, xs, D, s->kva + f * lat, lat, n, d);
-        }
+        if (hp->q_lora) op_mm_rows(o, rg, Q ? &Q->wq_a : &L->wq_a, s->xn, s->xnq, s->xns, D, s->qa, hp->q_lora);
+        else op_mm_rows(o, rg, Q ? &Q->wq : &L->wq, s->xn, s->xnq, s->xns, D, s->q, H * qk);
+        op_mm_rows(o, rg, Q ? &Q->wkv_a : &L->wkv_a, s->xn, s->xnq, s->xns, D, s->kva, lat);
         return 1;
     case 2:
         FOR_GROUPS(mb, g) region_add(rg, t_kv_write, o, g, mb->groups[g].n, mb->groups[g].device);
@@ -4757,11 +4791,7 @@ static int attn_stage(op *o, region *rg) {
     case 3:
         if (!hp->q_lora) continue;
         o->n_jobs = 0;
-        FOR_GROUPS(mb, g) {
-            size_t f = (size_t)mb->groups[g].first;
-            op_mmq(o, rg, Q ? &Q->wq_b : &L->wq_b, s->qa + f * hp->q_lora, s->qaq + f * hp->q_lora, s->qas + f,
-                   hp->q_lora, s->q + f * H * qk, H * qk, mb->groups[g].n, mb->groups[g].device);
-        }
+        op_mm_rows(o, rg, Q ? &Q->wq_b : &L->wq_b, s->qa, s->qaq, s->qas, hp->q_lora, s->q, H * qk);
         return 1;
     case 4:
         FOR_GROUPS(mb, g) region_add(rg, t_absorb, o, g, H, mb->groups[g].device);
@@ -4786,11 +4816,7 @@ static int attn_stage(op *o, region *rg) {
         return 1;
     case 8:
         o->n_jobs = 0;
-        FOR_GROUPS(mb, g) {
-            size_t f = (size_t)mb->groups[g].first;
-            op_mmq(o, rg, Q ? &Q->wo : &L->wo, s->att + f * H * hp->v_head, s->attq + f * H * hp->v_head, s->atts + f,
-                   H * hp->v_head, s->tmp + f * D, D, mb->groups[g].n, mb->groups[g].device);
-        }
+        op_mm_rows(o, rg, Q ? &Q->wo : &L->wo, s->att, s->attq, s->atts, H * hp->v_head, s->tmp, D);
         return 1;
     default:
         mb->pending = PEND_ADD_TMP;
@@ -4814,23 +4840,15 @@ static int dense_stage(op *o, region *rg) {
     case 1:
         mb->pending = PEND_NONE;
         o->n_jobs = 0;
-        FOR_GROUPS(mb, g) {
-            size_t f = (size_t)mb->groups[g].first;
-            int n = mb->groups[g].n, d = mb->groups[g].device;
-            op_mmq(o, rg, &F->gate, s->xn + f * D, s->xnq + f * D, s->xns + f, D, s->ffa + f * I, I, n, d);
-            op_mmq(o, rg, &F->up, s->xn + f * D, s->xnq + f * D, s->xns + f, D, s->ffb + f * I, I, n, d);
-        }
+        op_mm_rows(o, rg, &F->gate, s->xn, s->xnq, s->xns, D, s->ffa, I);
+        op_mm_rows(o, rg, &F->up, s->xn, s->xnq, s->xns, D, s->ffb, I);
         return 1;
     case 2:
         FOR_GROUPS(mb, g) region_add(rg, t_silu_group, o, g, mb->groups[g].n, mb->groups[g].device);
         return 1;
     case 3:
         o->n_jobs = 0;
-        FOR_GROUPS(mb, g) {
-            size_t f = (size_t)mb->groups[g].first;
-            op_mmq(o, rg, &F->down, s->ffa + f * I, s->ffq + f * I, s->ffs + f, I, s->tmp + f * D, D,
-                   mb->groups[g].n, mb->groups[g].device);
-        }
+        op_mm_rows(o, rg, &F->down, s->ffa, s->ffq, s->ffs, I, s->tmp, D);
         return 1;
     default:
         mb->pending = PEND_ADD_TMP;
@@ -4858,14 +4876,10 @@ static int moe_stage(op *o, region *rg) {
     case 1:                                   /* router, and the shared expert at the source */
         mb->pending = PEND_NONE;
         o->n_jobs = 0;
-        FOR_GROUPS(mb, g) {
-            size_t f = (size_t)mb->groups[g].first;
-            int n = mb->groups[g].n, d = mb->groups[g].device;
-            op_mm(o, rg, &L->router, s->xn + f * D, D, s->router + f * E, E, n, d);
-            if (at_source) {
-                op_mmq(o, rg, &SH->gate, s->xn + f * D, s->xnq + f * D, s->xns + f, D, s->ffa + f * SI, SI, n, d);
-                op_mmq(o, rg, &SH->up, s->xn + f * D, s->xnq + f * D, s->xns + f, D, s->ffb + f * SI, SI, n, d);
-            }
+        op_mm_rows(o, rg, &L->router, s->xn, NULL, NULL, D, s->router, E);
+        if (at_source) {
+            op_mm_rows(o, rg, &SH->gate, s->xn, s->xnq, s->xns, D, s->ffa, SI);
+            op_mm_rows(o, rg, &SH->up, s->xn, s->xnq, s->xns, D, s->ffb, SI);
         }
         return 1;
     case 2:
@@ -4878,11 +4892,7 @@ static int moe_stage(op *o, region *rg) {
         rg->name = "dispatch";
         FOR_GROUPS(mb, g) region_add(rg, t_dispatch, o, g, mb->groups[g].n, mb->groups[g].device);
         o->n_jobs = 0;
-        if (at_source) FOR_GROUPS(mb, g) {
-            size_t f = (size_t)mb->groups[g].first;
-            op_mmq(o, rg, &SH->down, s->ffa + f * SI, s->ffq + f * SI, s->ffs + f, SI,
-                   s->comb + (f * (K + 1) + K) * D, (K + 1) * D, mb->groups[g].n, mb->groups[g].device);
-        }
+        if (at_source) op_mm_rows(o, rg, &SH->down, s->ffa, s->ffq, s->ffs, SI, s->comb + (size_t)K * D, (K + 1) * D);
         return 1;
     case 4:              /* receivers convert rows to what their weights take */
         if (!e->cfg.int8_dispatch == !Q) continue;
@@ -4956,11 +4966,10 @@ static int mtp_in_stage(op *o, region *rg) {
     case 1:
         mb->pending = PEND_NONE;
         o->n_jobs = 0;
-        FOR_GROUPS(mb, g) {
-            size_t f = (size_t)mb->groups[g].first;
+        {
             const layer_q8 *Q = op_q8(o);
-            op_mmq(o, rg, Q ? &Q->eh_proj : &m->layers[o->layer].eh_proj, mb->s->ffa + f * 2 * D, mb->s->ffq + f * 2 * D,
-                   mb->s->ffs + f, 2 * D, mb->s->x + f * D, D, mb->groups[g].n, mb->groups[g].device);
+            op_mm_rows(o, rg, Q ? &Q->eh_proj : &m->layers[o->layer].eh_proj, mb->s->ffa, mb->s->ffq, mb->s->ffs, 2 * D,
+                       mb->s->x, D);
         }
         return 1;
     default:
@@ -4990,7 +4999,12 @@ static int head_stage(op *o, region *rg) {
     case 1:
         mb->pending = PEND_NONE;
         o->n_jobs = 0;
-        if (mb->logits) FOR_GROUPS(mb, g)
+        if (mb->logits && o->e->fuse_groups && mb->n_groups > 1) {   /* the head streamed once, see op_mm_rows */
+            int first = region_groups(rg);
+            op_mmq(o, rg, o->head, s->hsel, s->hselq, s->hsels, D, mb->logits, V, s->sel_first[mb->n_groups - 1] +
+                   s->sel_n[mb->n_groups - 1], mb->groups[0].device);
+            if (region_groups(rg) > first) { rg->g[first].split = mb->groups; rg->g[first].n_split = mb->n_groups; }
+        } else if (mb->logits) FOR_GROUPS(mb, g)
             op_mmq(o, rg, o->head, s->hsel + (size_t)s->sel_first[g] * D, s->hselq + (size_t)s->sel_first[g] * D,
                    s->hsels + s->sel_first[g], D, mb->logits + (size_t)s->sel_first[g] * V, V,
                    s->sel_n[g], mb->groups[g].device);
@@ -6498,6 +6512,7 @@ int cm384_engine_create(const cm384_model *m, const cm384_config *cfg, cm384_eng
     e->pool_threads = gl_pool_create(c.n_workers);
     if (!e->sched || !e->pool_threads) r = fail(CM384_E_NOMEM, "cannot start %d worker threads", c.n_workers);
     if (!r) r = build_topology(e);
+    e->fuse_groups = strcmp(e->preset, "paper") != 0;
     if (!r && c.int8) r = model_make_q8((cm384_model *)m, e->pool_threads);
     sched *S = e->sched;
     if (!r) {

@@ -32,12 +32,12 @@ step() {  # step NAME COMMAND...
 }
 
 # unit and golden tests
-for t in tokenizer kernels golden loader engine alloc model; do
+for t in tokenizer kernels golden loader engine alloc model api; do
     step "$t" "$B/test_$t"
 done
 
 # the same under AddressSanitizer + UndefinedBehaviorSanitizer
-for t in tokenizer kernels golden loader; do
+for t in tokenizer kernels golden loader api; do
     step "asan+ubsan $t" env ASAN_OPTIONS=detect_leaks=1 "$B/asan/test_$t"
 done
 step "asan+ubsan model" env CM384_QUICK=1 ASAN_OPTIONS=detect_leaks=1 "$B/asan/test_model"
