@@ -2977,6 +2977,16 @@ static int parse_config(const json *cfg, const char *path, hparams *hp) {
     else if (!strcmp(sf, "sigmoid")) hp->score_func = SCORE_SIGMOID;
     else return fail(CM384_E_UNSUPPORTED, "%s: scoring_func \"%s\" is not supported", path, sf);
 
+    /* FP8 checkpoints: only DeepSeek's 128x128 block scales are understood */
+    const json *qc = json_get(cfg, "quantization_config");
+    if (qc && qc->type == JSON_OBJECT) {
+        const char *qm = json_str(qc, "quant_method", "fp8");
+        const json *bs = json_get(qc, "weight_block_size");
+        if (strcmp(qm, "fp8"))
+            return fail(CM384_E_UNSUPPORTED, "%s: quantization_config quant_method \"%s\" (only fp8)", path, qm);
+        if (bs && (bs->type != JSON_ARRAY || bs->len != 2 || bs->kids[0].num != GL_F8_BLOCK || bs->kids[1].num != GL_F8_BLOCK))
+            return fail(CM384_E_UNSUPPORTED, "%s: quantization_config weight_block_size must be [128, 128]", path);
+    }
     const json *rs = json_get(cfg, "rope_scaling");
     if (rs && rs->type == JSON_OBJECT) {
         const char *type = json_str(rs, "type", json_str(rs, "rope_type", ""));
@@ -4167,6 +4177,8 @@ struct cm384_engine {
     int               shared_at_source;
     int               fuse_groups;           /* stream a shared weight once for all
                                                 devices' rows (not in the paper preset) */
+    int               pinned;                /* one thread per device: device d's tasks
+                                                run on worker d                     */
     /* the pool: KV blocks, cache index, microbatch buffers */
     uint8_t          *pool;
     size_t            pool_bytes;
@@ -4239,9 +4251,18 @@ static void region_task(void *ctx, int t, int worker) {
     }
 }
 
+/* One thread per device: worker w runs every task of device w. */
+static void region_task_device(void *ctx, int w, int worker) {
+    region *rg = ctx;
+    for (int i = 0; i < rg->n_groups; i++)
+        if (rg->g[i].device == w)
+            for (int t = 0; t < rg->g[i].n; t++) region_task(rg, rg->g[i].first + t, worker);
+}
+
 static void region_run(region *rg) {
     struct cm384_engine *e = rg->e;
-    if (rg->n_tasks > 0) gl_pool_run(e->pool_threads, rg->n_tasks, region_task, rg);
+    if (rg->n_tasks > 0 && e->pinned) gl_pool_run_pinned(e->pool_threads, region_task_device, rg);
+    else if (rg->n_tasks > 0) gl_pool_run(e->pool_threads, rg->n_tasks, region_task, rg);
     if (e->trace) {
         for (int i = 0; i < rg->n_groups; i++) {
             rg_group *g = &rg->g[i];
@@ -6214,6 +6235,53 @@ int cm384_get_stats(cm384_engine *e, cm384_stats *out) {
     return CM384_OK;
 }
 
+static const char *role_name(unsigned roles) {
+    static const char *names[16] = {"idle", "prefill", "attention", "prefill+attention", "expert",
+        "prefill+expert", "attention+expert", "all", "shared", "prefill+shared", "attention+shared",
+        "prefill+attention+shared", "expert+shared", "prefill+expert+shared", "attention+expert+shared", "all"};
+    return names[roles & 15];
+}
+
+int cm384_get_traffic(cm384_engine *e, uint64_t *bytes, int cap) {
+    if (!e) return fail(CM384_E_INVALID, "cm384_get_traffic: NULL engine");
+    size_t n = (size_t)e->n_dev * e->n_dev;
+    for (size_t i = 0; bytes && i < n && i < (size_t)(cap > 0 ? cap : 0); i++)
+        bytes[i] = atomic_load_explicit(&e->traffic[i], memory_order_relaxed);
+    return e->n_dev;
+}
+
+int cm384_get_expert_load(cm384_engine *e, int layer, uint64_t *tokens, int cap) {
+    if (!e) return fail(CM384_E_INVALID, "cm384_get_expert_load: NULL engine");
+    const hparams *hp = &e->m->hp;
+    int E = hp->n_routed, NL = hp->n_layers + hp->n_mtp;
+    if (layer < -1 || layer >= NL) return fail(CM384_E_INVALID, "cm384_get_expert_load: no layer %d", layer);
+    pthread_mutex_lock(&e->sched->step_mu);
+    for (int x = 0; tokens && x < E && x < cap; x++) {
+        uint64_t v = 0;
+        for (int l = layer < 0 ? 0 : layer; l < (layer < 0 ? NL : layer + 1); l++) v += e->expert_load[(size_t)l * E + x];
+        tokens[x] = v;
+    }
+    pthread_mutex_unlock(&e->sched->step_mu);
+    return E;
+}
+
+int cm384_get_device_busy(cm384_engine *e, double *busy_ms, int cap) {
+    if (!e) return fail(CM384_E_INVALID, "cm384_get_device_busy: NULL engine");
+    pthread_mutex_lock(&e->sched->step_mu);
+    for (int d = 0; busy_ms && d < e->n_dev && d < cap; d++) {
+        uint64_t ns = 0;
+        for (int w = 0; w < e->n_workers; w++) ns += e->busy[(size_t)w * e->n_dev + d];
+        busy_ms[d] = ns / 1e6;
+    }
+    pthread_mutex_unlock(&e->sched->step_mu);
+    return e->n_dev;
+}
+
+const char *cm384_device_roles(cm384_engine *e, int device) {
+    if (!e || device < 0 || device >= e->n_dev) return "";
+    return role_name(e->dev[device].roles);
+}
+
 void cm384_reset_stats(cm384_engine *e) {
     if (!e) return;
     sched *S = e->sched;
@@ -6232,12 +6300,6 @@ void cm384_reset_stats(cm384_engine *e) {
     pthread_mutex_unlock(&S->step_mu);
 }
 
-static const char *role_name(unsigned roles) {
-    static const char *names[16] = {"idle", "prefill", "attention", "prefill+attention", "expert",
-        "prefill+expert", "attention+expert", "all", "shared", "prefill+shared", "attention+shared",
-        "prefill+attention+shared", "expert+shared", "prefill+expert+shared", "attention+expert+shared", "all"};
-    return names[roles & 15];
-}
 
 static void sb_printf(strbuf *b, const char *fmt, ...)
 #if defined(__GNUC__)
@@ -6512,7 +6574,8 @@ int cm384_engine_create(const cm384_model *m, const cm384_config *cfg, cm384_eng
     e->pool_threads = gl_pool_create(c.n_workers);
     if (!e->sched || !e->pool_threads) r = fail(CM384_E_NOMEM, "cannot start %d worker threads", c.n_workers);
     if (!r) r = build_topology(e);
-    e->fuse_groups = strcmp(e->preset, "paper") != 0;
+    e->pinned = e->n_workers == e->n_dev && e->n_dev > 1;
+    e->fuse_groups = strcmp(e->preset, "paper") != 0 && !e->pinned;
     if (!r && c.int8) r = model_make_q8((cm384_model *)m, e->pool_threads);
     sched *S = e->sched;
     if (!r) {
@@ -6901,8 +6964,8 @@ int cm384_detok_stream_flush(cm384_detok_stream *s, char *out, size_t cap) {
 int cm384_token_text(const cm384_model *m, int32_t id, char *out, size_t cap) {
     int r = need_tokenizer(m, "cm384_token_text");
     if (r) return r;
-    const char *bytes;
-    int len;
+    const char *bytes = NULL;
+    int len = 0;
     if (id < 0 || id >= tokenizer_n_ids(m->tok) || tokenizer_piece(m->tok, id, &bytes, &len))
         return fail(CM384_E_INVALID, "cm384_token_text: %d is not a token", id);
     return copy_out(bytes, (size_t)len, out, cap);

@@ -264,7 +264,9 @@ typedef struct cm384_config {
     size_t       struct_size;
     /* topology */
     int          n_devices;        /* emulated devices (default 384)                 */
-    int          n_workers;        /* OS threads running them (0 = online cores)     */
+    int          n_workers;        /* OS threads running them (0 = online cores);
+                                      n_workers == n_devices: one thread per device,
+                                      each device's work on its own thread          */
     const char  *preset;           /* "default" (fastest on this host), "paper"
                                       (CloudMatrix-Infer's layout scaled to the
                                       model) or "single" (everything on device 0)    */
@@ -444,6 +446,23 @@ CM384_API void cm384_reset_stats(cm384_engine *e);
 /* Write a human-readable report (stats, traffic matrix summary, expert-load
  * table) into buf (snprintf convention). */
 CM384_API int  cm384_report(cm384_engine *e, char *buf, size_t cap);
+
+/* The fabric's traffic matrix: bytes[src * n + dst] is what device src sent
+ * device dst (dispatch, combine, KV hand-off).  Writes at most cap entries;
+ * returns n, the number of devices. */
+CM384_API int  cm384_get_traffic(cm384_engine *e, uint64_t *bytes, int cap);
+
+/* Tokens routed to each routed expert of a layer (layer -1: summed over all
+ * layers).  Writes at most cap entries; returns the number of experts. */
+CM384_API int  cm384_get_expert_load(cm384_engine *e, int layer, uint64_t *tokens, int cap);
+
+/* Milliseconds each device's tasks have run.  Writes at most cap entries;
+ * returns the number of devices. */
+CM384_API int  cm384_get_device_busy(cm384_engine *e, double *busy_ms, int cap);
+
+/* A device's roles: "prefill", "attention", "expert", "shared", combinations
+ * joined by '+', or "idle".  Static string; "" for a bad device. */
+CM384_API const char *cm384_device_roles(cm384_engine *e, int device);
 
 #ifdef __cplusplus
 }

@@ -335,6 +335,7 @@ struct gl_pool {
     pthread_cond_t   wake, done_cv;
     gl_task_fn       fn;                /* published by the store to `work`      */
     void            *ctx;
+    int              pinned;            /* this region: task w runs on worker w  */
     char             pad0[64];
     _Atomic uint64_t work;              /* generation << 32 | next task          */
     atomic_int       n_tasks;
@@ -359,6 +360,12 @@ static int gl_pool_work(gl_pool *p, uint32_t gen, int worker) {
     uint64_t w = atomic_load_explicit(&p->work, memory_order_acquire);
     uint32_t n = 0;
     int ran = 0;
+    if (p->pinned) {                    /* every worker runs its own task once */
+        if ((uint32_t)(w >> 32) != gen) return 0;
+        n = (uint32_t)atomic_load_explicit(&p->n_tasks, memory_order_acquire);
+        p->fn(p->ctx, worker, worker);
+        return (uint32_t)(atomic_fetch_add_explicit(&p->done, 1, memory_order_seq_cst) + 1) == n;
+    }
     for (;;) {
         if ((uint32_t)(w >> 32) != gen) break;
         n = (uint32_t)atomic_load_explicit(&p->n_tasks, memory_order_acquire);
@@ -452,17 +459,29 @@ void gl_pool_free(gl_pool *p) {
 
 int gl_pool_size(const gl_pool *p) { return p ? p->n : 1; }
 
+static void gl_pool_region(gl_pool *p, int n_tasks, gl_task_fn fn, void *ctx, int pinned);
+
 void gl_pool_run(gl_pool *p, int n_tasks, gl_task_fn fn, void *ctx) {
     if (n_tasks <= 0) return;
     if (!p || p->n == 1 || n_tasks == 1) {
         for (int t = 0; t < n_tasks; t++) fn(ctx, t, 0);
         return;
     }
+    gl_pool_region(p, n_tasks, fn, ctx, 0);
+}
+
+void gl_pool_run_pinned(gl_pool *p, gl_task_fn fn, void *ctx) {
+    if (!p || p->n == 1) { fn(ctx, 0, 0); return; }
+    gl_pool_region(p, p->n, fn, ctx, 1);
+}
+
+static void gl_pool_region(gl_pool *p, int n_tasks, gl_task_fn fn, void *ctx, int pinned) {
     /* close the last region for late workers before its count changes */
     atomic_store_explicit(&p->work, (uint64_t)p->generation << 32 | 0xffffffffu, memory_order_relaxed);
     atomic_store_explicit(&p->n_tasks, n_tasks, memory_order_release);
     p->fn = fn;
     p->ctx = ctx;
+    p->pinned = pinned;
     atomic_store_explicit(&p->done, 0, memory_order_relaxed);
     uint32_t gen = ++p->generation;
     if (gen == 0) gen = p->generation = 1;          /* workers start having seen 0 */

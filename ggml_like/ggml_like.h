@@ -129,6 +129,10 @@ gl_pool *gl_pool_create(int n_threads);   /* NULL on failure                  */
 void     gl_pool_free(gl_pool *p);        /* NULL ok; joins the workers        */
 int      gl_pool_size(const gl_pool *p);
 void     gl_pool_run(gl_pool *p, int n_tasks, gl_task_fn fn, void *ctx);
+/* Runs fn(ctx, w, w) exactly once on every worker w (0 is the caller) and
+ * returns when all have finished: work with thread affinity, e.g. one
+ * thread per emulated device. */
+void     gl_pool_run_pinned(gl_pool *p, gl_task_fn fn, void *ctx);
 
 /* Online CPU count (>= 1). */
 int gl_n_cpus(void);

@@ -20,6 +20,8 @@ M=$B/models
 CLI=$B/cm384
 MODELS=${BENCH_MODELS:-"bench-S bench-M v2lite4"}
 [ -n "$BENCH_QUICK" ] && RUNS=1
+SECTIONS=${BENCH_SECTIONS:-"1 2 3 4 5"}
+want() { case " $SECTIONS " in *" $1 "*) return 0 ;; esac; return 1; }
 mkdir -p "$M"
 
 jget() { echo "$1" | sed -n "s/.*\"$2\":\([-0-9.e]*\).*/\1/p" | head -n 1; }
@@ -29,16 +31,18 @@ ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b > 0) printf "%.2fx", a / b; els
 
 echo "== 1. machine limits ($(nproc) CPUs, $T threads; load average $(cut -d' ' -f1 /proc/loadavg))"
 $B/bench_kernels --json >"$B/limits.json" 2>/dev/null
-$B/bench_kernels 2>/dev/null | sed -n '1,40p'
+want 1 && $B/bench_kernels 2>/dev/null | sed -n '1,40p'
 BW=$(grep '"read bandwidth, 2 threads"' "$B/limits.json" | sed -n 's/.*"value":\([0-9.]*\).*/\1/p' | head -n 1)
 BW1=$(grep '"read bandwidth, 1 thread"' "$B/limits.json" | sed -n 's/.*"value":\([0-9.]*\).*/\1/p' | head -n 1)
 FP=$(grep '"bench":"fp32 FMA peak' "$B/limits.json" | sed -n 's/.*"value":\([0-9.]*\).*/\1/p' | head -n 1)
 I8=$(grep '"bench":"int8 multiply-add peak' "$B/limits.json" | sed -n 's/.*"value":\([0-9.]*\).*/\1/p' | head -n 1)
 echo "limits used below: read ${BW} GB/s (1 thread ${BW1}), FP32 ${FP} GFLOP/s, INT8 ${I8} GOP/s"
 
+if want 2; then
 echo
 echo "== 2. tokenizer"
 $B/test_tokenizer 2>/dev/null | grep 'benchmark:'
+fi
 
 gen() {   # gen NAME PRESET ARGS...
     name=$1; preset=$2; shift 2
@@ -73,6 +77,7 @@ $o"
     echo "$res"
 }
 
+if want 3; then
 echo
 echo "== 3. models: prefill 512 tokens, decode 128 tokens (1 stream), decode 16 streams; medians of $RUNS"
 printf '%-9s %-5s | %9s %8s %7s | %9s %8s %7s %9s | %9s %7s\n' model dtype "prefill" "GOP/s" "%peak" \
@@ -111,21 +116,35 @@ if [ -n "$LLAMA_BENCH" ] && [ -x "$LLAMA_BENCH" ]; then
     echo "(tg128 and cm384's decode here start from an empty context, as llama-bench does)"
 fi
 
+fi
 SM=$M/bench-M
 [ -f "$SM/config.json" ] || SM=$M/bench-S
+if want 4; then
 echo
 echo "== 4. the supernode on $(basename "$SM") (bf16): decode scaling and the emulation tax"
 printf '%-8s | %14s %14s %9s | %14s\n' streams "default tok/s" "1 device tok/s" "tax" "paper tok/s"
+TAXRUNS=$((RUNS + 2))
 for s in 1 4 16 64; do
     R=$s; [ $s -lt 8 ] && R=8
-    d=$(bench_median "decode_tok_s" -m "$SM" -p 32 -n 64 --requests $R --concurrency $s -t "$T" --no-int8-dispatch)
-    one=$(bench_median "decode_tok_s" -m "$SM" -p 32 -n 64 --requests $R --concurrency $s -t "$T" --no-int8-dispatch --preset single)
-    pp=$(bench_median "decode_tok_s" -m "$SM" -p 32 -n 64 --requests $R --concurrency $s -t "$T" --no-int8-dispatch --preset paper)
+    # interleaved, so a drift of the shared machine hits all three alike
+    dl=""; ol=""; pl=""
+    i=0
+    while [ $i -lt $TAXRUNS ]; do
+        for p in default single paper; do
+            v=$($CLI bench -m "$SM" -p 32 -n 64 --requests $R --concurrency $s -t "$T" --no-int8-dispatch --preset $p --json 2>/dev/null)
+            v=$(jget "$v" decode_tok_s)
+            case $p in default) dl="$dl $v" ;; single) ol="$ol $v" ;; paper) pl="$pl $v" ;; esac
+        done
+        i=$((i + 1))
+    done
+    d=$(echo $dl | median); one=$(echo $ol | median); pp=$(echo $pl | median)
     tax=$(awk -v a="$d" -v b="$one" 'BEGIN { printf "%+.1f%%", 100 * (b - a) / b }')
     printf '%-8s | %14.1f %14.1f %9s | %14.1f\n' "$s" "$d" "$one" "$tax" "$pp"
 done
-echo "(tax = how much slower the default topology decodes than one device doing everything; target within 10%)"
+echo "(medians of $TAXRUNS interleaved runs; tax = how much slower the default topology decodes than one device doing everything; target within 10%)"
 
+fi
+if want 5; then
 echo
 echo "== 5. context cache and INT8 dispatch on $(basename "$SM")"
 for sp in 0 0.5 0.9; do
@@ -143,4 +162,5 @@ for d in on off; do
         "$(awk -v x="$(jget "$o" combine_bytes)" 'BEGIN{print x/1e6}')"
 done
 echo
+fi
 echo "load average at the end: $(cut -d' ' -f1-3 /proc/loadavg)"

@@ -245,6 +245,50 @@ static void paper_v3(void) {
     free(e.dev); free(e.pre_devs); free(e.attn_devs); free(e.red_devs);
 }
 
+/* ---- what the observability calls report adds up ---- */
+static void observability(cm384_model *m) {
+    printf("observability:\n");
+    cm384_config c;
+    cm384_config_init(&c);
+    c.n_workers = 2; c.n_devices = 24; c.int8_dispatch = 1;
+    cm384_engine *e;
+    if (cm384_engine_create(m, &c, &e)) { CHECK(0, "engine: %s", cm384_last_error()); return; }
+    int32_t ids[40];
+    for (int i = 0; i < 40; i++) ids[i] = 3 + (i * 37) % 1000;
+    cm384_sampling s;
+    cm384_sampling_init(&s);
+    s.max_tokens = 12; s.ignore_eos = 1;
+    for (int r = 0; r < 3; r++) cm384_generate(e, NULL, ids, 20 + 10 * r, &s, NULL, NULL);
+    cm384_stats st;
+    st.struct_size = sizeof st;
+    cm384_get_stats(e, &st);
+    int n = cm384_get_traffic(e, NULL, 0);
+    uint64_t *tr = calloc((size_t)n * n, sizeof *tr), sum = 0;
+    CHECK(cm384_get_traffic(e, tr, n * n) == 24, "traffic matrix size %d", n);
+    for (int i = 0; i < n * n; i++) sum += tr[i];
+    CHECK(sum == st.dispatch_bytes + st.combine_bytes + st.kv_handoff_bytes,
+          "traffic matrix sums to %llu, stats say %llu", (unsigned long long)sum,
+          (unsigned long long)(st.dispatch_bytes + st.combine_bytes + st.kv_handoff_bytes));
+    uint64_t load[16], total = 0;
+    int E = cm384_get_expert_load(e, -1, load, 16);
+    for (int x = 0; x < E; x++) total += load[x];
+    /* every token of every step goes to top_k experts in each of 3 MoE layers (2 main + MTP not run here: 2) */
+    uint64_t tokens = st.tokens_prefilled + st.tokens_decoded - 3;   /* the last token of each request is not fed back */
+    CHECK(E == 16 && total == tokens * 4 * 2, "expert loads sum to %llu, want %llu", (unsigned long long)total,
+          (unsigned long long)(tokens * 4 * 2));
+    CHECK(cm384_get_expert_load(e, 7, load, 16) == CM384_E_INVALID, "a bad layer");
+    double busy[24];
+    CHECK(cm384_get_device_busy(e, busy, 24) == 24, "device busy size");
+    int busy_dev = 0;
+    for (int d = 0; d < 24; d++) busy_dev += busy[d] > 0;
+    printf("  %d devices, traffic %.2f MB, %llu expert rows, %d devices busy; device 0 is %s, device 4 is %s\n", n,
+           sum / 1e6, (unsigned long long)total, busy_dev, cm384_device_roles(e, 0), cm384_device_roles(e, 4));
+    CHECK(busy_dev >= 6 && !strcmp(cm384_device_roles(e, 0), "prefill") && !strcmp(cm384_device_roles(e, 4), "expert"),
+          "device roles and busy times");
+    free(tr);
+    cm384_engine_free(e);
+}
+
 int main(void) {
     paper_v3();
     sampling();
@@ -252,6 +296,7 @@ int main(void) {
     if (cm384_model_load(FIX, NULL, &m)) { printf("%s\n", cm384_last_error()); return 1; }
     arguments(m);
     text(m);
+    observability(m);
     cm384_model_free(m);
     return test_summary("api");
 }

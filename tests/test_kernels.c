@@ -507,6 +507,28 @@ static void pool_count_task(void *ctx, int task, int worker) {
     if (task == pt->sleep_task) { struct timespec ts = {0, 2000000}; nanosleep(&ts, NULL); }
 }
 
+/* gl_pool_run_pinned: every worker runs exactly its own task, every time. */
+typedef struct { atomic_int runs[8]; atomic_int wrong; } pinned_test;
+
+static void pinned_task(void *ctx, int task, int worker) {
+    pinned_test *pt = ctx;
+    if (task != worker || worker < 0 || worker >= 8) atomic_fetch_add(&pt->wrong, 1);
+    else atomic_fetch_add(&pt->runs[worker], 1);
+}
+
+static void test_pool_pinned(int threads) {
+    gl_pool *p = gl_pool_create(threads);
+    if (!p) { check(0, "pool: create(%d)", threads); return; }
+    pinned_test pt;
+    memset(&pt, 0, sizeof pt);
+    int rounds = 2000;
+    for (int r = 0; r < rounds; r++) gl_pool_run_pinned(p, pinned_task, &pt);
+    int ok = atomic_load(&pt.wrong) == 0;
+    for (int w = 0; w < threads; w++) ok &= atomic_load(&pt.runs[w]) == rounds;
+    check(ok, "pool: pinned runs with %d threads: each worker must run its own task once per region", threads);
+    gl_pool_free(p);
+}
+
 static void test_pool(int threads) {
     gl_pool *p = gl_pool_create(threads);
     check(p && gl_pool_size(p) == threads, "pool: create(%d) failed", threads);
@@ -554,6 +576,8 @@ int main(int argc, char **argv) {
 
     test_conversions();
     test_pool(2);
+    test_pool_pinned(2);
+    test_pool_pinned(4);
     test_pool(4);
     gl_pool *pool2 = gl_pool_create(2), *pool4 = gl_pool_create(4);
     for (int s = 0; s < n_sets; s++) {

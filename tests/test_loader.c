@@ -266,6 +266,12 @@ int main(void) {
     replace_in_file(p, "\"deepseek_v3\"", "\"llama\"");
     expect("unsupported model_type", d, CM384_E_UNSUPPORTED, "llama");
 
+    d = fresh_copy("blocksize");
+    file_in(p, sizeof p, d, "config.json");
+    replace_in_file(p, "\"model_type\": \"deepseek_v3\",", "\"model_type\": \"deepseek_v3\", \"quantization_config\": "
+                    "{\"quant_method\": \"fp8\", \"weight_block_size\": [64, 64]},");
+    expect("FP8 block size other than 128x128", d, CM384_E_UNSUPPORTED, "weight_block_size");
+
     d = fresh_copy("noconfig");
     file_in(p, sizeof p, d, "config.json");
     unlink(p);
