@@ -335,7 +335,6 @@ struct gl_pool {
     pthread_cond_t   wake, done_cv;
     gl_task_fn       fn;                /* published by the store to `work`      */
     void            *ctx;
-    int              pinned;            /* this region: task w runs on worker w  */
     char             pad0[64];
     _Atomic uint64_t work;              /* generation << 32 | next task          */
     atomic_int       n_tasks;
@@ -350,6 +349,11 @@ struct gl_pool {
 
 typedef struct { gl_pool *p; int id; } gl_worker_arg;
 
+/* The task-index half of `work` for a pinned region (task w on worker w):
+ * above any task count, below the "closed" all-ones value, so an unpinned
+ * claim never takes it. */
+#define GL_PINNED 0x80000000u
+
 /* Runs tasks of generation gen until none is left, then adds how many it
  * ran to `done` (once: fewer cache-line transfers than once per task).
  * Returns 1 if that completed the region.  n_tasks is read after `work` and
@@ -360,11 +364,11 @@ static int gl_pool_work(gl_pool *p, uint32_t gen, int worker) {
     uint64_t w = atomic_load_explicit(&p->work, memory_order_acquire);
     uint32_t n = 0;
     int ran = 0;
-    if (p->pinned) {                    /* every worker runs its own task once */
-        if ((uint32_t)(w >> 32) != gen) return 0;
-        n = (uint32_t)atomic_load_explicit(&p->n_tasks, memory_order_acquire);
+    if ((uint32_t)(w >> 32) == gen && (uint32_t)w == GL_PINNED) {
+        /* every worker runs its own task once; the region cannot end (nor
+           fn change) before this worker's task is done */
         p->fn(p->ctx, worker, worker);
-        return (uint32_t)(atomic_fetch_add_explicit(&p->done, 1, memory_order_seq_cst) + 1) == n;
+        return atomic_fetch_add_explicit(&p->done, 1, memory_order_seq_cst) + 1 == p->n;
     }
     for (;;) {
         if ((uint32_t)(w >> 32) != gen) break;
@@ -481,11 +485,11 @@ static void gl_pool_region(gl_pool *p, int n_tasks, gl_task_fn fn, void *ctx, in
     atomic_store_explicit(&p->n_tasks, n_tasks, memory_order_release);
     p->fn = fn;
     p->ctx = ctx;
-    p->pinned = pinned;
     atomic_store_explicit(&p->done, 0, memory_order_relaxed);
     uint32_t gen = ++p->generation;
     if (gen == 0) gen = p->generation = 1;          /* workers start having seen 0 */
-    atomic_store_explicit(&p->work, (uint64_t)gen << 32, memory_order_seq_cst);   /* publishes the above */
+    atomic_store_explicit(&p->work, (uint64_t)gen << 32 | (pinned ? GL_PINNED : 0u),
+                          memory_order_seq_cst);   /* publishes the above */
     if (atomic_load_explicit(&p->sleepers, memory_order_seq_cst) > 0) {
         pthread_mutex_lock(&p->mu);
         pthread_cond_broadcast(&p->wake);

@@ -119,7 +119,6 @@ static void exactness(cm384_model *m) {
     printf("exactness: %d concurrent requests vs each alone on one device\n", N);
     for (size_t k = 0; k < sizeof topo / sizeof topo[0]; k++) {
         if (quick && k > 2 && k < 6) continue;
-        if (quick && topo[k].workers > 2) continue;          /* 8 threads under TSan: slow */
         memcpy(got, ref, (size_t)N * sizeof *got);
         reset_outputs(got, N);
         with_mtp = topo[k].mtp;
