@@ -228,6 +228,8 @@ static int gl_kernel_sets(const gl_kernels **out) {
     out[n++] = &gl_scalar_kernels;
 #if defined(GL_HAVE_AVX2)
     if (f & GL_X86_AVX2) out[n++] = &gl_avx2_kernels;
+    if (f & GL_X86_AVX_VNNI) out[n++] = &gl_avx_vnni_kernels;
+    if (f & GL_X86_AVX512) out[n++] = &gl_avx512_vnni_kernels;
 #elif defined(GL_HAVE_NEON)
     out[n++] = &gl_neon_kernels;
     if (f & GL_ARM_DOTPROD) out[n++] = &gl_neon_dot_kernels;

@@ -73,12 +73,14 @@ float    gl_f8e4m3_to_f32(uint8_t b);
 void gl_row_to_f32(const gl_mat *w, int r, float *out);
 
 /* A set of kernels for one instruction set: "scalar" (portable C), "avx2"
- * (x86-64 with AVX2, FMA, F16C), "neon" (AArch64) and "neon_dotprod"
- * (AArch64 with SDOT, for W8A8).  Sets may differ in the last bits of fp
+ * (x86-64 with AVX2, FMA, F16C), "avx_vnni" and "avx512_vnni" (AVX2 with
+ * VNNI's vpdpbusd for W8A8, VEX- or EVEX-encoded on 256-bit vectors),
+ * "neon" (AArch64) and "neon_dotprod" (AArch64 with SDOT, for W8A8).
+ * Sets may differ in the last bits of fp
  * results (each has its own fixed reduction order); W8A8 results are the
  * same bits in every set. */
 typedef struct gl_kernels {
-    const char *name;        /* "scalar", "avx2", "neon", "neon_dotprod" */
+    const char *name;        /* "scalar", "avx2", "avx_vnni", "neon", ... */
     /* y[i*ldy + r] = W[r] . x[i*ldx]  for i in [0,n), r in [r0,r1).  W of any
        type except Q8. */
     void (*matmul)(const gl_mat *w, const float *x, int n, int ldx,

@@ -223,93 +223,55 @@ GL_AVX2_INLINE __m256i avx2_mac_i8(__m256i acc, __m256i wabs, __m256i w, __m256i
     return _mm256_add_epi32(acc, _mm256_madd_epi16(pairs, ones));
 }
 
-/* As avx2_tile, for int8 rows and tokens (32 columns a step). */
-GL_AVX2_INLINE void avx2_tile_q8(const gl_mat *w, int r, int nr, const int8_t *xq, const float *xs, int ldx, int nt,
-                                 float *y, int ldy, const int8_t *pf) {
-    const int cols = w->cols, full = cols & ~31;
-    const __m256i ones = _mm256_set1_epi16(1);
-    const int8_t *wr[AVX2_Q8_NR];
-    __m256i acc[AVX2_Q8_NR][AVX2_NT], wv[AVX2_Q8_NR], wa[AVX2_Q8_NR];
-#pragma GCC unroll 4
-    for (int k = 0; k < nr; k++) {
-        wr[k] = (const int8_t *)w->data + (size_t)(r + k) * (size_t)cols;
-#pragma GCC unroll 4
-        for (int t = 0; t < nt; t++) acc[k][t] = _mm256_setzero_si256();
-    }
-    for (int c = 0; c < full; c += 32) {
-        _mm_prefetch((const char *)(pf + (size_t)c * nr), _MM_HINT_NTA);
-        if (nr > 2) _mm_prefetch((const char *)(pf + (size_t)c * nr + 64), _MM_HINT_NTA);
-#pragma GCC unroll 4
-        for (int k = 0; k < nr; k++) {
-            wv[k] = _mm256_loadu_si256((const __m256i *)(wr[k] + c));
-            wa[k] = _mm256_abs_epi8(wv[k]);
-        }
-#pragma GCC unroll 4
-        for (int t = 0; t < nt; t++) {
-            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (size_t)t * ldx + c));
-#pragma GCC unroll 4
-            for (int k = 0; k < nr; k++) acc[k][t] = avx2_mac_i8(acc[k][t], wa[k], wv[k], xv, ones);
-        }
-    }
-    if (full < cols) {   /* zero padding adds nothing to an exact sum */
-        const size_t rem = (size_t)(cols - full);
-#pragma GCC unroll 4
-        for (int k = 0; k < nr; k++) {
-            int8_t buf[32] = {0};
-            memcpy(buf, wr[k] + full, rem);
-            wv[k] = _mm256_loadu_si256((const __m256i *)buf);
-            wa[k] = _mm256_abs_epi8(wv[k]);
-        }
-#pragma GCC unroll 4
-        for (int t = 0; t < nt; t++) {
-            int8_t buf[32] = {0};
-            memcpy(buf, xq + (size_t)t * ldx + full, rem);
-            __m256i xv = _mm256_loadu_si256((const __m256i *)buf);
-#pragma GCC unroll 4
-            for (int k = 0; k < nr; k++) acc[k][t] = avx2_mac_i8(acc[k][t], wa[k], wv[k], xv, ones);
-        }
-    }
-#pragma GCC unroll 4
-    for (int t = 0; t < nt; t++)
-#pragma GCC unroll 4
-        for (int k = 0; k < nr; k++)
-            y[(size_t)t * ldy + r + k] = (float)avx2_hsum_i32(acc[k][t]) * w->scale[r + k] * xs[t];
-}
+/* The W8A8 tiles and matmul are written once in x86_q8.h and compiled once
+ * per multiply-add: AVX2's maddubs + madd pair, and VNNI's one-instruction
+ * vpdpbusd (u8 x s8, four products into each int32 lane), either as AVX-VNNI
+ * (VEX: Alder Lake and later, Zen 5) or as AVX512-VNNI on 256-bit vectors
+ * (EVEX: Ice Lake, Zen 4 and later).  The same sign trick feeds vpdpbusd:
+ * |w| unsigned, x*sign(w) signed. */
+#define X86_Q8(name) avx2_##name
+#define X86_Q8_INLINE GL_AVX2_INLINE
+#define X86_Q8_FN GL_AVX2
+#define X86_Q8_MAC avx2_mac_i8
+#include "x86_q8.h"
+#undef X86_Q8
+#undef X86_Q8_INLINE
+#undef X86_Q8_FN
+#undef X86_Q8_MAC
 
-GL_AVX2_INLINE void avx2_tile_q8_nt(const gl_mat *w, int r, int nr, const int8_t *xq, const float *xs, int ldx, int nt,
-                                    float *y, int ldy, const int8_t *pf) {
-    switch (nt) {
-    case 4: avx2_tile_q8(w, r, nr, xq, xs, ldx, 4, y, ldy, pf); break;
-    case 3: avx2_tile_q8(w, r, nr, xq, xs, ldx, 3, y, ldy, pf); break;
-    case 2: avx2_tile_q8(w, r, nr, xq, xs, ldx, 2, y, ldy, pf); break;
-    case 1: avx2_tile_q8(w, r, nr, xq, xs, ldx, 1, y, ldy, pf); break;
-    }
-}
+#define GL_VNNI_TARGET "avx2,fma,f16c,avxvnni"
+#define GL_EVEX_TARGET "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"
 
-/* As avx2_panels. */
-GL_AVX2_INLINE void avx2_panels_q8(const gl_mat *w, int nr, const int8_t *xq, const float *xs, int n, int ldx,
-                                   float *y, int ldy, int r, int r1) {
-    const size_t row_bytes = (size_t)w->cols;
-    for (; r + nr <= r1; r += nr) {
-        const int8_t *panel = (const int8_t *)w->data + (size_t)r * row_bytes;
-        const int8_t *pf = r + (GL_PF_PANELS + 1) * nr <= r1 ? panel + GL_PF_PANELS * (size_t)nr * row_bytes : panel;
-        for (int i = 0; i < n; i += AVX2_NT, pf = panel) {
-            int nt = n - i < AVX2_NT ? n - i : AVX2_NT;
-            avx2_tile_q8_nt(w, r, nr, xq + (size_t)i * ldx, xs + i, ldx, nt, y + (size_t)i * ldy, ldy, pf);
-        }
-    }
+static inline __attribute__((always_inline, target(GL_VNNI_TARGET))) __m256i
+vnni_mac_i8(__m256i acc, __m256i wabs, __m256i w, __m256i x, __m256i ones) {
+    (void)ones;
+    return _mm256_dpbusd_avx_epi32(acc, wabs, _mm256_sign_epi8(x, w));
 }
+#define X86_Q8(name) vnni_##name
+#define X86_Q8_INLINE static inline __attribute__((always_inline, target(GL_VNNI_TARGET)))
+#define X86_Q8_FN __attribute__((target(GL_VNNI_TARGET)))
+#define X86_Q8_MAC vnni_mac_i8
+#include "x86_q8.h"
+#undef X86_Q8
+#undef X86_Q8_INLINE
+#undef X86_Q8_FN
+#undef X86_Q8_MAC
 
-static GL_AVX2 void avx2_matmul_q8(const gl_mat *w, const int8_t *xq, const float *xscale, int n, int ldx,
-                                   float *y, int ldy, int r0, int r1) {
-    const int nb = gl_token_block(w->cols, 1), r = r0 + (r1 - r0) / AVX2_Q8_NR * AVX2_Q8_NR;
-    for (int i0 = 0; i0 < n; i0 += nb) {
-        const int ni = n - i0 < nb ? n - i0 : nb;
-        const int8_t *xb = xq + (size_t)i0 * ldx;
-        avx2_panels_q8(w, AVX2_Q8_NR, xb, xscale + i0, ni, ldx, y + (size_t)i0 * ldy, ldy, r0, r);
-        avx2_panels_q8(w, 1, xb, xscale + i0, ni, ldx, y + (size_t)i0 * ldy, ldy, r, r1);
-    }
+static inline __attribute__((always_inline, target(GL_EVEX_TARGET))) __m256i
+evex_mac_i8(__m256i acc, __m256i wabs, __m256i w, __m256i x, __m256i ones) {
+    (void)ones;
+    return _mm256_dpbusd_epi32(acc, wabs, _mm256_sign_epi8(x, w));
 }
+#define X86_Q8(name) evex_##name
+#define X86_Q8_INLINE static inline __attribute__((always_inline, target(GL_EVEX_TARGET)))
+#define X86_Q8_FN __attribute__((target(GL_EVEX_TARGET)))
+#define X86_Q8_MAC evex_mac_i8
+#include "x86_q8.h"
+#undef X86_Q8
+#undef X86_Q8_INLINE
+#undef X86_Q8_FN
+#undef X86_Q8_MAC
+
 
 /* Same values as scalar_quantize_q8: max|x| is exact in any order, x*inv is
  * one rounding, and cvtps rounds to nearest even like lrintf. */
@@ -408,10 +370,18 @@ static const gl_kernels gl_avx2_kernels = {
     "avx2", avx2_matmul, avx2_matmul_q8, avx2_quantize_q8, avx2_dot, avx2_axpy, avx2_axpy_rows,
 };
 
+/* The VNNI sets differ from AVX2 only in the W8A8 matmul. */
+static const gl_kernels gl_avx_vnni_kernels = {
+    "avx_vnni", avx2_matmul, vnni_matmul_q8, avx2_quantize_q8, avx2_dot, avx2_axpy, avx2_axpy_rows,
+};
+static const gl_kernels gl_avx512_vnni_kernels = {
+    "avx512_vnni", avx2_matmul, evex_matmul_q8, avx2_quantize_q8, avx2_dot, avx2_axpy, avx2_axpy_rows,
+};
+
 /* ---- CPU features ---- */
 #include <cpuid.h>
 
-enum { GL_X86_AVX2 = 1, GL_X86_AVX512 = 2 };
+enum { GL_X86_AVX2 = 1, GL_X86_AVX512 = 2, GL_X86_AVX_VNNI = 4 };
 
 static uint64_t gl_xgetbv0(void) {
     uint32_t lo, hi;
@@ -433,5 +403,7 @@ static int gl_x86_features(void) {
     if (((b >> 5) & 1) && fma && f16c) f |= GL_X86_AVX2;
     int avx512 = ((b >> 16) & 1) && ((b >> 30) & 1) && ((b >> 31) & 1) && ((c >> 11) & 1); /* F BW VL VNNI */
     if ((f & GL_X86_AVX2) && avx512 && (xcr0 & 0xe6) == 0xe6) f |= GL_X86_AVX512;   /* + opmask, ZMM state */
+    if ((f & GL_X86_AVX2) && a >= 1 && __get_cpuid_count(7, 1, &a, &b, &c, &d) && ((a >> 4) & 1))
+        f |= GL_X86_AVX_VNNI;
     return f;
 }
