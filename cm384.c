@@ -3195,14 +3195,16 @@ typedef struct layer_w {
 } layer_w;
 
 /* INT8 copies (GL_Q8: int8 values, one scale per output row) of the
- * projections that carry the compute: attention projections, dense FFN,
- * shared and routed experts.  The router, norms, embedding, head and the
- * attention core stay in their stored type and fp32. */
+ * projections that carry the compute: attention projections (with the
+ * absorbed W_uk^T and W_uv of each head), dense FFN, shared and routed
+ * experts, the heads.  The router, norms, embedding and the attention core
+ * (scores, softmax, weighted latents) stay in their stored type and fp32. */
 typedef struct layer_q8 {
     gl_mat  wq_a, wq_b, wq, wkv_a, wo;
     ffn_w   dense, shared;
     ffn_w  *experts;
     gl_mat  eh_proj, head;          /* MTP layers                                 */
+    gl_mat *w_uk_t, *w_uv;          /* per head: the absorbed MLA products        */
 } layer_q8;
 
 struct cm384_model {
@@ -4059,7 +4061,7 @@ typedef struct fwd_scratch {
     float  *att;               /* [cap][H][v]                                      */
     float  *tmp;               /* [cap][dim] block output before the residual add  */
     float  *ffa, *ffb;         /* [cap][max(inter, shared inter, 2*dim)]           */
-    float  *scores;            /* [workers][H][CORE_TILE][max_ctx]                 */
+    float  *scores;            /* [workers][CORE_TILE][H][max_ctx]                 */
     int    *tile_row, *tile_n; /* [cap] attention-core tiles: first row, rows      */
     int    *tile_first;        /* [cap+1] per device group: its first tile         */
     float  *router;            /* [cap][E] router logits                           */
@@ -4084,6 +4086,8 @@ typedef struct fwd_scratch {
     /* INT8 W8A8: activations quantized per token before each INT8 product */
     int8_t *xnq, *qaq, *attq, *ffq, *exq, *hselq;   /* like xn, qa, att, ffa, ex_a, hsel */
     float  *xns, *qas, *atts, *ffs, *exs, *hsels;   /* their per-row scales              */
+    int8_t *qnq, *ctxq;        /* [cap][H][nope], [cap][H][kv_lora]: per (token, head) */
+    float  *qns, *ctxs;        /* [H][cap] their scales (a head's rows consecutive)     */
     int    *sel_first, *sel_n; /* [cap] per device group: its rows of hsel         */
 } fwd_scratch;
 
@@ -4140,6 +4144,8 @@ static void scratch_carve(carver *c, fwd_scratch *s, const hparams *hp, int cap,
     s->ffq = carve(c, C * inter); s->ffs = F(C);
     s->exq = carve(c, R * mi); s->exs = F(R);
     s->hselq = carve(c, C * D); s->hsels = F(C);
+    s->qnq = carve(c, C * H * hp->qk_nope); s->qns = F(H * C);
+    s->ctxq = carve(c, C * H * hp->kv_lora); s->ctxs = F(H * C);
     s->sel_first = carve(c, C * sizeof(int));
     s->sel_n = carve(c, C * sizeof(int));
 #undef F
@@ -4481,7 +4487,16 @@ static void t_absorb(void *ctx, int g, int h, int worker) {
     const dev_group *gr = &mb->groups[g];
     const float *q = mb->s->q + ((size_t)gr->first * H + h) * qk;
     float *ql = mb->s->qlat + ((size_t)gr->first * H + h) * lat;
-    o->e->k->matmul(&L->w_uk_t[h], q, gr->n, H * qk, ql, H * lat, 0, hp->kv_lora);
+    const layer_q8 *Q = op_q8(o);
+    if (Q) {   /* W8A8: this head's q_nope quantized per token */
+        int nope = hp->qk_nope;
+        int8_t *xq = mb->s->qnq + ((size_t)gr->first * H + h) * nope;
+        float *xs = mb->s->qns + (size_t)h * mb->s->cap + gr->first;
+        o->e->k->quantize_q8(q, gr->n, nope, H * qk, xq, H * nope, xs);
+        o->e->k->matmul_q8(&Q->w_uk_t[h], xq, xs, gr->n, H * nope, ql, H * lat, 0, hp->kv_lora);
+    } else {
+        o->e->k->matmul(&L->w_uk_t[h], q, gr->n, H * qk, ql, H * lat, 0, hp->kv_lora);
+    }
     for (int t = 0; t < gr->n; t++) {
         float *dst = ql + (size_t)t * H * lat + hp->kv_lora;
         memcpy(dst, q + (size_t)t * H * qk + hp->qk_nope, (size_t)hp->qk_rope * sizeof(float));
@@ -4511,16 +4526,22 @@ static void t_core(void *ctx, int g, int task, int worker) {
     int r0 = s->tile_row[tile], nq = s->tile_n[tile], sh = mb->kv_shift, mc = e->max_ctx + 1;
     int p0 = mb->pos[r0], n_keys = mb->pos[r0 + nq - 1] + 1;       /* keys of the last query */
     const int *tab = mb->tables[r0];
-    float *sc = s->scores + (size_t)worker * H * CORE_TILE * mc;  /* [h][q][key] */
-#define SC(h, q) (sc + ((size_t)(h) * CORE_TILE + (q)) * mc)
+    float *sc = s->scores + (size_t)worker * H * CORE_TILE * mc;  /* [q][h][key] */
+#define SC(h, q) (sc + ((size_t)(q) * H + (h)) * mc)
     float scale = e->m->attn_scale;
     for (int j0 = 0; j0 < n_keys;) {
-        /* keys j0 .. j0+nk-1: consecutive rows of one block (slot = key + kv_shift) */
+        /* keys j0 .. j0+nk-1: consecutive rows of one block (slot = key + kv_shift);
+         * every head of a query reads the same latent rows (MLA), so the
+         * heads are the product's batch: one call per query, or one for the
+         * whole tile when it has every head */
         int nk = B - (j0 + sh) % B;
         if (nk > n_keys - j0) nk = n_keys - j0;
         gl_mat kb = {GL_F32, nk, lat, kv_row(&e->kv, tab, o->layer, j0 + sh), NULL};
-        for (int h = h0; h < h1; h++)
-            k->matmul(&kb, s->qlat + ((size_t)r0 * H + h) * lat, nq, H * lat, SC(h, 0) + j0, mc, 0, nk);
+        if (h0 == 0 && h1 == H)
+            k->matmul(&kb, s->qlat + (size_t)r0 * H * lat, nq * H, lat, SC(0, 0) + j0, mc, 0, nk);
+        else
+            for (int q = 0; q < nq; q++)
+                k->matmul(&kb, s->qlat + ((size_t)(r0 + q) * H + h0) * lat, h1 - h0, lat, SC(h0, q) + j0, mc, 0, nk);
         j0 += nk;
     }
     for (int q = 0; q < nq; q++)
@@ -4577,10 +4598,19 @@ static void t_uv(void *ctx, int g, int h, int worker) {
     microbatch *mb = o->mb;
     const hparams *hp = &o->e->m->hp;
     const layer_w *L = &o->e->m->layers[o->layer];
-    int H = hp->n_heads;
+    int H = hp->n_heads, R = hp->kv_lora;
     const dev_group *gr = &mb->groups[g];
-    o->e->k->matmul(&L->w_uv[h], mb->s->ctx + ((size_t)gr->first * H + h) * hp->kv_lora, gr->n, H * hp->kv_lora,
-                    mb->s->att + ((size_t)gr->first * H + h) * hp->v_head, H * hp->v_head, 0, hp->v_head);
+    const float *c = mb->s->ctx + ((size_t)gr->first * H + h) * R;
+    float *y = mb->s->att + ((size_t)gr->first * H + h) * hp->v_head;
+    const layer_q8 *Q = op_q8(o);
+    if (Q) {   /* W8A8: this head's attended latent quantized per token */
+        int8_t *xq = mb->s->ctxq + ((size_t)gr->first * H + h) * R;
+        float *xs = mb->s->ctxs + (size_t)h * mb->s->cap + gr->first;
+        o->e->k->quantize_q8(c, gr->n, R, H * R, xq, H * R, xs);
+        o->e->k->matmul_q8(&Q->w_uv[h], xq, xs, gr->n, H * R, y, H * hp->v_head, 0, hp->v_head);
+    } else {
+        o->e->k->matmul(&L->w_uv[h], c, gr->n, H * R, y, H * hp->v_head, 0, hp->v_head);
+    }
 }
 
 static void t_route(void *ctx, int g, int t, int worker) {
@@ -5256,7 +5286,7 @@ static int model_make_q8(cm384_model *m, gl_pool *pool) {
     if (m->q8) { pthread_mutex_unlock(&m->q8_mu); return CM384_OK; }
     const hparams *hp = &m->hp;
     int NL = hp->n_layers + hp->n_mtp, cap = 0;
-    for (int l = 0; l < NL; l++) cap += 5 + 3 + 2 + 3 * (hp->n_routed + 1);
+    for (int l = 0; l < NL; l++) cap += 5 + 3 + 3 + 2 + 3 * (hp->n_routed + 1) + 2 * hp->n_heads;
     cap += 1;
     layer_q8 *q8 = arena_alloc(&m->q8_arena, (size_t)NL * sizeof *q8);
     q8_job *jobs = CM384_MALLOC((size_t)cap * sizeof *jobs);
@@ -5283,6 +5313,10 @@ static int model_make_q8(cm384_model *m, gl_pool *pool) {
         ADD(&L->dense.gate, &Q->dense.gate); ADD(&L->dense.up, &Q->dense.up); ADD(&L->dense.down, &Q->dense.down);
         ADD(&L->shared.gate, &Q->shared.gate); ADD(&L->shared.up, &Q->shared.up); ADD(&L->shared.down, &Q->shared.down);
         if (l >= hp->n_layers) { ADD(&L->eh_proj, &Q->eh_proj); ADD(&L->head, &Q->head); }
+        Q->w_uk_t = arena_alloc(&m->q8_arena, (size_t)hp->n_heads * sizeof(gl_mat));
+        Q->w_uv = arena_alloc(&m->q8_arena, (size_t)hp->n_heads * sizeof(gl_mat));
+        if (!Q->w_uk_t || !Q->w_uv) { r = fail(CM384_E_NOMEM, "out of memory for INT8 weights"); break; }
+        for (int h = 0; h < hp->n_heads; h++) { ADD(&L->w_uk_t[h], &Q->w_uk_t[h]); ADD(&L->w_uv[h], &Q->w_uv[h]); }
         if (L->is_moe) {
             Q->experts = arena_alloc(&m->q8_arena, (size_t)hp->n_routed * sizeof(ffn_w));
             if (!Q->experts) { r = fail(CM384_E_NOMEM, "out of memory for INT8 weights"); break; }

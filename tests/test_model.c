@@ -166,9 +166,10 @@ int main(void) {
         CHECK(fabs(loss - want_loss) <= 0.005 * want_loss, "val loss %.6f vs %.6f", loss, want_loss);
         CHECK(fabs(acc - want_mtp) <= 0.002, "MTP accuracy %.4f vs %.4f", acc, want_mtp);
         CHECK(fabs(exp(loss8) - exp(loss)) <= 0.01 * exp(loss), "INT8 perplexity %.4f vs %.4f", exp(loss8), exp(loss));
-        /* measured here: 460/464 (99.1%) and mean KL 0.0052; the thresholds
-           leave room for other machines' kernels */
-        CHECK(agree8 * 100 >= 97 * total8, "INT8 top-1 agreement %d/%d", agree8, total8);
+        /* measured here: 452/464 (97.4%) and mean KL 0.0056 (459/464 and
+           0.0052 with W_uk^T and W_uv left in bf16); the thresholds leave
+           room for other machines' kernels */
+        CHECK(agree8 * 100 >= 96 * total8, "INT8 top-1 agreement %d/%d", agree8, total8);
         CHECK(kl8 / total8 < 0.01, "INT8 mean KL %.5f", kl8 / total8);
         free(ids);
         file_map_close(&f);
