@@ -30,12 +30,16 @@ pct() { awk -v a="$1" -v b="$2" 'BEGIN { if (b > 0) printf "%.0f%%", 100 * a / b
 ratio() { awk -v a="$1" -v b="$2" 'BEGIN { if (b > 0) printf "%.2fx", a / b; else printf "-" }'; }
 
 echo "== 1. machine limits ($(nproc) CPUs, $T threads; load average $(cut -d' ' -f1 /proc/loadavg))"
-$B/bench_kernels --json >"$B/limits.json" 2>/dev/null
-want 1 && $B/bench_kernels 2>/dev/null | sed -n '1,40p'
+# one run: its table is printed (section 1) and its limits are the ones used below
+if want 1; then
+    $B/bench_kernels --json-out "$B/limits.json" 2>/dev/null | sed -n '1,40p'
+else
+    $B/bench_kernels --json >"$B/limits.json" 2>/dev/null
+fi
 BW=$(grep '"read bandwidth, 2 threads"' "$B/limits.json" | sed -n 's/.*"value":\([0-9.]*\).*/\1/p' | head -n 1)
 BW1=$(grep '"read bandwidth, 1 thread"' "$B/limits.json" | sed -n 's/.*"value":\([0-9.]*\).*/\1/p' | head -n 1)
 FP=$(grep '"bench":"fp32 FMA peak' "$B/limits.json" | sed -n 's/.*"value":\([0-9.]*\).*/\1/p' | head -n 1)
-I8=$(grep '"bench":"int8 multiply-add peak' "$B/limits.json" | sed -n 's/.*"value":\([0-9.]*\).*/\1/p' | head -n 1)
+I8=$(grep '"bench":"int8 [a-z-]* peak' "$B/limits.json" | sed -n 's/.*"value":\([0-9.]*\).*/\1/p' | head -n 1)
 echo "limits used below: read ${BW} GB/s (1 thread ${BW1}), FP32 ${FP} GFLOP/s, INT8 ${I8} GOP/s"
 
 if want 2; then
