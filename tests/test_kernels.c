@@ -571,6 +571,13 @@ int main(int argc, char **argv) {
     printf("kernel sets:");
     for (int i = 0; i < n_sets; i++) printf(" %s", sets[i]->name);
     printf(" (gl_kernels_get: %s)\n", gl_kernels_get()->name);
+#if defined(GL_HAVE_AVX2)
+    {   /* built in, but only a CPU that has them can check them */
+        int f = gl_cpu_features();
+        if (!(f & GL_X86_AVX_VNNI)) printf("  avx_vnni: this CPU has no AVX-VNNI, not checked here\n");
+        if (!(f & GL_X86_AVX512)) printf("  avx512_vnni: this CPU has no AVX512-VNNI, not checked here\n");
+    }
+#endif
     check(gl_kernels_get() == sets[n_sets - 1], "gl_kernels_get is not the last of gl_kernels_all");
     check(gl_kernels_by_name("scalar") == gl_kernels_scalar() && !gl_kernels_by_name("nope"), "gl_kernels_by_name");
 
