@@ -71,21 +71,15 @@ static const float *gl_f8_table(void) {
     return gl_f8_table_values;
 }
 
+static void gl_widen16(int type, const uint16_t *p, float *out, int n);
+
 void gl_row_to_f32(const gl_mat *w, int r, float *out) {
     size_t off = (size_t)r * (size_t)w->cols;
     int n = w->cols;
     switch (w->type) {
     case GL_F32: memcpy(out, (const float *)w->data + off, (size_t)n * 4); break;
-    case GL_F16: {
-        const uint16_t *p = (const uint16_t *)w->data + off;
-        for (int c = 0; c < n; c++) out[c] = gl_f16_to_f32(p[c]);
-        break;
-    }
-    case GL_BF16: {
-        const uint16_t *p = (const uint16_t *)w->data + off;
-        for (int c = 0; c < n; c++) out[c] = gl_bf16_to_f32(p[c]);
-        break;
-    }
+    case GL_F16:
+    case GL_BF16: gl_widen16(w->type, (const uint16_t *)w->data + off, out, n); break;
     case GL_F8_E4M3: {
         const uint8_t *p = (const uint8_t *)w->data + off;
         const float *t = gl_f8_table();
@@ -219,6 +213,19 @@ static int gl_cpu_features(void) {
 #endif
     atomic_store_explicit(&gl_cpu_features_cache, f, memory_order_relaxed);
     return f;
+}
+
+/* bf16 or f16 values widened to fp32 (exact either way): the inner loop of
+ * making INT8 weights at load, so vectorized where the CPU allows. */
+static void gl_widen16(int type, const uint16_t *p, float *out, int n) {
+    int c = 0;
+#if defined(GL_HAVE_AVX2)
+    if (gl_cpu_features() & GL_X86_AVX2) c = avx2_widen16(type, p, out, n);
+#endif
+    if (type == GL_BF16)
+        for (; c < n; c++) out[c] = gl_bf16_to_f32(p[c]);
+    else
+        for (; c < n; c++) out[c] = gl_f16_to_f32(p[c]);
 }
 
 /* Every set this CPU runs, best last. */

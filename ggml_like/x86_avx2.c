@@ -378,6 +378,20 @@ static const gl_kernels gl_avx512_vnni_kernels = {
     "avx512_vnni", avx2_matmul, evex_matmul_q8, avx2_quantize_q8, avx2_dot, avx2_axpy, avx2_axpy_rows,
 };
 
+/* bf16 (shifted into the top half) or f16 (F16C) to fp32, 8 at a time;
+ * returns how many it did -- the caller widens the rest. */
+static GL_AVX2 int avx2_widen16(int type, const uint16_t *p, float *out, int n) {
+    int c = 0;
+    if (type == GL_BF16)
+        for (; c + 8 <= n; c += 8) {
+            __m256i v = _mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)(p + c)));
+            _mm256_storeu_ps(out + c, _mm256_castsi256_ps(_mm256_slli_epi32(v, 16)));
+        }
+    else
+        for (; c + 8 <= n; c += 8) _mm256_storeu_ps(out + c, _mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)(p + c))));
+    return c;
+}
+
 /* ---- CPU features ---- */
 #include <cpuid.h>
 

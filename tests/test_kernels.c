@@ -168,6 +168,29 @@ static void test_conversions(void) {
     }
     check(!bad, "gl_f8e4m3_to_f32: %d of 256 codes wrong (first 0x%02x)", bad, first);
 
+    /* gl_row_to_f32 over rows holding every 16-bit code (the vector path)
+       and an odd tail: each value as the one-code conversion gives it */
+    {
+        enum { COLS = 65536 + 7 };
+        uint16_t *codes = malloc(COLS * sizeof *codes);
+        float *row = malloc(COLS * sizeof *row);
+        for (int c = 0; c < COLS; c++) codes[c] = (uint16_t)(c * 40503u);   /* odd stride: every code */
+        for (int t = 0; t < 2; t++) {
+            int type = t ? GL_F16 : GL_BF16;
+            gl_mat w = {type, 1, COLS, codes, NULL};
+            gl_row_to_f32(&w, 0, row);
+            bad = 0; first = -1;
+            for (int c = 0; c < COLS; c++) {
+                float want = type == GL_BF16 ? gl_bf16_to_f32(codes[c]) : gl_f16_to_f32(codes[c]);
+                int ok = want != want ? row[c] != row[c] : f2u(row[c]) == f2u(want);
+                if (!ok) { bad++; if (first < 0) first = codes[c]; }
+            }
+            check(!bad, "gl_row_to_f32 %s: %d of %d wrong (first code 0x%04x)", t ? "f16" : "bf16", bad, COLS, first);
+        }
+        free(codes);
+        free(row);
+    }
+
     /* f32 -> f16: every finite half, the midpoints to its neighbours and one
        float either side of them, both signs; then random floats. */
     bad = 0; uint32_t firstu = 0;
