@@ -5289,7 +5289,7 @@ static int model_make_q8(cm384_model *m, gl_pool *pool) {
     if (m->q8) { pthread_mutex_unlock(&m->q8_mu); return CM384_OK; }
     const hparams *hp = &m->hp;
     int NL = hp->n_layers + hp->n_mtp, cap = 0;
-    for (int l = 0; l < NL; l++) cap += 5 + 3 + 3 + 2 + 3 * (hp->n_routed + 1) + 2 * hp->n_heads;
+    for (int l = 0; l < NL; l++) cap += 5 + 3 + 2 + 3 * (hp->n_routed + 1) + 2 * hp->n_heads;
     cap += 1;
     layer_q8 *q8 = arena_alloc(&m->q8_arena, (size_t)NL * sizeof *q8);
     q8_job *jobs = CM384_MALLOC((size_t)cap * sizeof *jobs);
