@@ -4561,8 +4561,7 @@ static void t_core(void *ctx, int g, int task, int worker) {
             int m = p0 + q + 1 - j0;                   /* keys of this run query q sees */
             if (m <= 0) continue;
             if (m > nk) m = nk;
-            for (int h = h0; h < h1; h++)
-                k->axpy_rows(s->ctx + ((size_t)(r0 + q) * H + h) * R, rows, lat, SC(h, q) + j0, m, R);
+            k->axpy_rows_n(s->ctx + ((size_t)(r0 + q) * H + h0) * R, R, rows, lat, SC(h0, q) + j0, mc, h1 - h0, m, R);
         }
         j0 += nk;
     }

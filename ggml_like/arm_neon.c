@@ -340,11 +340,17 @@ static void neon_axpy_rows(float *y, const float *x, int ldx, const float *a, in
     }
 }
 
+static void neon_axpy_rows_n(float *y, int ldy, const float *x, int ldx, const float *a, int lda, int nh, int m, int n) {
+    for (int h = 0; h < nh; h++) neon_axpy_rows(y + (size_t)h * ldy, x, ldx, a + (size_t)h * lda, m, n);
+}
+
 static const gl_kernels gl_neon_kernels = {
     "neon", neon_matmul, neon_matmul_q8_plain, neon_quantize_q8, neon_dot, neon_axpy, neon_axpy_rows,
+    neon_axpy_rows_n,
 };
 static const gl_kernels gl_neon_dot_kernels = {
     "neon_dotprod", neon_matmul, neon_matmul_q8_dot, neon_quantize_q8, neon_dot, neon_axpy, neon_axpy_rows,
+    neon_axpy_rows_n,
 };
 
 /* ---- CPU features ---- */

@@ -133,6 +133,10 @@ static void scalar_axpy_rows(float *y, const float *x, int ldx, const float *a, 
     }
 }
 
+static void scalar_axpy_rows_n(float *y, int ldy, const float *x, int ldx, const float *a, int lda, int nh, int m, int n) {
+    for (int h = 0; h < nh; h++) scalar_axpy_rows(y + (size_t)h * ldy, x, ldx, a + (size_t)h * lda, m, n);
+}
+
 /* One weight row converted to fp32 once, then dotted with every x row. */
 static void scalar_matmul(const gl_mat *w, const float *x, int n, int ldx,
                           float *y, int ldy, int r0, int r1) {
@@ -177,6 +181,7 @@ static void scalar_quantize_q8(const float *x, int n, int cols, int ldx, int8_t 
 
 static const gl_kernels gl_scalar_kernels = {
     "scalar", scalar_matmul, scalar_matmul_q8, scalar_quantize_q8, scalar_dot, scalar_axpy, scalar_axpy_rows,
+    scalar_axpy_rows_n,
 };
 
 const gl_kernels *gl_kernels_scalar(void) { return &gl_scalar_kernels; }

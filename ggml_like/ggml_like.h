@@ -97,6 +97,10 @@ typedef struct gl_kernels {
        in one pass (y stays in registers), bit-identical to calling axpy m
        times.  The attention core's probabilities times values. */
     void  (*axpy_rows)(float *y, const float *x, int ldx, const float *a, int m, int n);
+    /* axpy_rows for nh outputs over the same x: output h is y + h*ldy with
+       weights a + h*lda; the same bits as nh calls of axpy_rows.  The
+       attention core's heads, which share the latent rows (MLA). */
+    void  (*axpy_rows_n)(float *y, int ldy, const float *x, int ldx, const float *a, int lda, int nh, int m, int n);
 } gl_kernels;
 
 /* The best kernel set for this CPU (cpuid / hwcap probed once, then cached). */

@@ -366,16 +366,55 @@ static GL_AVX2 void avx2_axpy_rows(float *y, const float *x, int ldx, const floa
     }
 }
 
+/* Four outputs at a time over 16 columns: each x vector loaded serves four
+ * heads (the rows of a KV block stay in L1 once, not once per head).  Every
+ * element is still y = fma(a_j, x_j, y) for j in order, as avx2_axpy_rows. */
+static GL_AVX2 void avx2_axpy_rows_n(float *y, int ldy, const float *x, int ldx, const float *a, int lda,
+                                     int nh, int m, int n) {
+    int h = 0;
+    for (; h + 4 <= nh; h += 4) {
+        float *y0 = y + (size_t)h * ldy, *y1 = y0 + ldy, *y2 = y1 + ldy, *y3 = y2 + ldy;
+        const float *a0 = a + (size_t)h * lda, *a1 = a0 + lda, *a2 = a1 + lda, *a3 = a2 + lda;
+        int c = 0;
+        for (; c + 16 <= n; c += 16) {
+            __m256 s00 = _mm256_loadu_ps(y0 + c), s01 = _mm256_loadu_ps(y0 + c + 8);
+            __m256 s10 = _mm256_loadu_ps(y1 + c), s11 = _mm256_loadu_ps(y1 + c + 8);
+            __m256 s20 = _mm256_loadu_ps(y2 + c), s21 = _mm256_loadu_ps(y2 + c + 8);
+            __m256 s30 = _mm256_loadu_ps(y3 + c), s31 = _mm256_loadu_ps(y3 + c + 8);
+            for (int j = 0; j < m; j++) {
+                const float *xr = x + (size_t)j * ldx + c;
+                const __m256 x0 = _mm256_loadu_ps(xr), x1 = _mm256_loadu_ps(xr + 8);
+                __m256 v = _mm256_set1_ps(a0[j]);
+                s00 = _mm256_fmadd_ps(v, x0, s00); s01 = _mm256_fmadd_ps(v, x1, s01);
+                v = _mm256_set1_ps(a1[j]);
+                s10 = _mm256_fmadd_ps(v, x0, s10); s11 = _mm256_fmadd_ps(v, x1, s11);
+                v = _mm256_set1_ps(a2[j]);
+                s20 = _mm256_fmadd_ps(v, x0, s20); s21 = _mm256_fmadd_ps(v, x1, s21);
+                v = _mm256_set1_ps(a3[j]);
+                s30 = _mm256_fmadd_ps(v, x0, s30); s31 = _mm256_fmadd_ps(v, x1, s31);
+            }
+            _mm256_storeu_ps(y0 + c, s00); _mm256_storeu_ps(y0 + c + 8, s01);
+            _mm256_storeu_ps(y1 + c, s10); _mm256_storeu_ps(y1 + c + 8, s11);
+            _mm256_storeu_ps(y2 + c, s20); _mm256_storeu_ps(y2 + c + 8, s21);
+            _mm256_storeu_ps(y3 + c, s30); _mm256_storeu_ps(y3 + c + 8, s31);
+        }
+        if (c < n)   /* the last columns, a head at a time */
+            for (int k = 0; k < 4; k++)
+                avx2_axpy_rows(y + (size_t)(h + k) * ldy + c, x + c, ldx, a + (size_t)(h + k) * lda, m, n - c);
+    }
+    for (; h < nh; h++) avx2_axpy_rows(y + (size_t)h * ldy, x, ldx, a + (size_t)h * lda, m, n);
+}
+
 static const gl_kernels gl_avx2_kernels = {
-    "avx2", avx2_matmul, avx2_matmul_q8, avx2_quantize_q8, avx2_dot, avx2_axpy, avx2_axpy_rows,
+    "avx2", avx2_matmul, avx2_matmul_q8, avx2_quantize_q8, avx2_dot, avx2_axpy, avx2_axpy_rows, avx2_axpy_rows_n,
 };
 
 /* The VNNI sets differ from AVX2 only in the W8A8 matmul. */
 static const gl_kernels gl_avx_vnni_kernels = {
-    "avx_vnni", avx2_matmul, vnni_matmul_q8, avx2_quantize_q8, avx2_dot, avx2_axpy, avx2_axpy_rows,
+    "avx_vnni", avx2_matmul, vnni_matmul_q8, avx2_quantize_q8, avx2_dot, avx2_axpy, avx2_axpy_rows, avx2_axpy_rows_n,
 };
 static const gl_kernels gl_avx512_vnni_kernels = {
-    "avx512_vnni", avx2_matmul, evex_matmul_q8, avx2_quantize_q8, avx2_dot, avx2_axpy, avx2_axpy_rows,
+    "avx512_vnni", avx2_matmul, evex_matmul_q8, avx2_quantize_q8, avx2_dot, avx2_axpy, avx2_axpy_rows, avx2_axpy_rows_n,
 };
 
 /* bf16 (shifted into the top half) or f16 (F16C) to fp32, 8 at a time;

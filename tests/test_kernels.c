@@ -338,6 +338,22 @@ static void test_axpy_rows(const gl_kernels *k) {
             check(same, "%s: axpy_rows n=%d m=%d differs from m axpys", k->name, n, m);
             check(close, "%s: axpy_rows n=%d m=%d differs from scalar", k->name, n, m);
         }
+    /* axpy_rows_n: nh outputs over one x, the same bits as nh axpy_rows */
+    static const int nhs[] = {1, 3, 4, 7, 16};
+    float *a = xmalloc(16 * 20 * sizeof(float)), *yn = xmalloc(16 * 520 * sizeof(float)), *yr = xmalloc(16 * 520 * sizeof(float));
+    for (size_t ni = 0; ni < sizeof ns / sizeof *ns; ni++)
+        for (size_t hi = 0; hi < sizeof nhs / sizeof *nhs; hi++) {
+            int n = ns[ni], nh = nhs[hi], m = 13, ld = n + 5, ldy = n + 3, lda = 20;
+            for (int i = 0; i < m * ld; i++) x[i] = rng_unif();
+            for (int i = 0; i < nh * lda; i++) a[i] = rng_unif();
+            for (int i = 0; i < nh * ldy; i++) yn[i] = yr[i] = rng_unif();
+            k->axpy_rows_n(yn, ldy, x, ld, a, lda, nh, m, n);
+            for (int h = 0; h < nh; h++) k->axpy_rows(yr + (size_t)h * ldy, x, ld, a + (size_t)h * lda, m, n);
+            int same = 1;
+            for (int i = 0; i < nh * ldy; i++) same &= f2u(yn[i]) == f2u(yr[i]);   /* gaps untouched too */
+            check(same, "%s: axpy_rows_n n=%d heads=%d differs from axpy_rows", k->name, n, nh);
+        }
+    free(a); free(yn); free(yr);
     free(x); free(p); free(y); free(y1); free(ys);
 }
 
