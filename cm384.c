@@ -3773,8 +3773,6 @@ static void rmsnorm(float *out, const float *x, const float *w, int n, float eps
     for (int i = 0; i < n; i++) out[i] = x[i] * inv * w[i];
 }
 
-static float silu(float x) { return x / (1.0f + expf(-x)); }
-
 /* RoPE on interleaved pairs (2k, 2k+1), as DeepSeek's view_as_complex. */
 static void rope(const cm384_model *m, float *v, int pos) {
     int half = m->hp.qk_rope / 2;
@@ -4545,12 +4543,7 @@ static void t_core(void *ctx, int g, int task, int worker) {
         j0 += nk;
     }
     for (int q = 0; q < nq; q++)
-        for (int h = h0; h < h1; h++) {
-            float *p = SC(h, q);
-            int nkq = p0 + q + 1;
-            for (int j = 0; j < nkq; j++) p[j] *= scale;
-            softmax_inplace(p, nkq);
-        }
+        for (int h = h0; h < h1; h++) k->softmax(SC(h, q), p0 + q + 1, scale);
     for (int q = 0; q < nq; q++)
         for (int h = h0; h < h1; h++) memset(s->ctx + ((size_t)(r0 + q) * H + h) * R, 0, (size_t)R * sizeof(float));
     for (int j0 = 0; j0 < n_keys;) {               /* a block's run of keys at a time */
@@ -4622,13 +4615,6 @@ static void t_route(void *ctx, int g, int t, int worker) {
                 mb->s->top_id + (size_t)r * K, mb->s->top_w + (size_t)r * K);
 }
 
-/* a = silu(a) * b over rows [r0, r0+n) of width w. */
-static void silu_mul(float *a, const float *b, size_t r0, size_t n, size_t w) {
-    float *pa = a + r0 * w;
-    const float *pb = b + r0 * w;
-    for (size_t i = 0; i < n * w; i++) pa[i] = silu(pa[i]) * pb[i];
-}
-
 /* dense FFN / shared expert at the source: rows of a device group */
 static void t_silu_group(void *ctx, int g, int t, int worker) {
     (void)worker;
@@ -4637,7 +4623,7 @@ static void t_silu_group(void *ctx, int g, int t, int worker) {
     const layer_w *L = &o->e->m->layers[o->layer];
     int w = L->is_moe ? L->shared.gate.rows : hp->inter, r = o->mb->groups[g].first + t;
     fwd_scratch *s = o->mb->s;
-    silu_mul(s->ffa, s->ffb, (size_t)r, 1, (size_t)w);
+    o->e->k->silu_mul(s->ffa + (size_t)r * w, s->ffb + (size_t)r * w, w);
     if (op_q8(o)) quantize_row(o->e, s->ffa + (size_t)r * w, w, s->ffq + (size_t)r * w, &s->ffs[r]);
 }
 
@@ -4797,7 +4783,7 @@ static void t_silu_entry(void *ctx, int en, int c, int worker) {
     if (r0 + n > s->entry_first[en] + s->entry_count[en]) n = s->entry_first[en] + s->entry_count[en] - r0;
     int W = ex_width(hp);
     for (int r = r0; r < r0 + n; r++) {
-        silu_mul(s->ex_a + (size_t)r * W, s->ex_b + (size_t)r * W, 0, 1, (size_t)w);
+        o->e->k->silu_mul(s->ex_a + (size_t)r * W, s->ex_b + (size_t)r * W, w);
         if (op_q8(o)) quantize_row(o->e, s->ex_a + (size_t)r * W, w, s->exq + (size_t)r * W, &s->exs[r]);
     }
 }

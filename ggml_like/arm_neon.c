@@ -344,13 +344,78 @@ static void neon_axpy_rows_n(float *y, int ldy, const float *x, int ldx, const f
     for (int h = 0; h < nh; h++) neon_axpy_rows(y + (size_t)h * ldy, x, ldx, a + (size_t)h * lda, m, n);
 }
 
+/* e^x on 4 lanes (GL_EXP_* in ggml_like.c says how). */
+GL_NEON_INLINE float32x4_t neon_exp(float32x4_t x) {
+    const uint32x4_t under = vcltq_f32(x, vdupq_n_f32(GL_EXP_LO));
+    x = vmaxq_f32(vminq_f32(x, vdupq_n_f32(GL_EXP_HI)), vdupq_n_f32(GL_EXP_LO));
+    const float32x4_t n = vrndnq_f32(vmulq_f32(x, vdupq_n_f32(GL_EXP_LOG2E)));
+    float32x4_t r = vfmsq_f32(x, n, vdupq_n_f32(GL_EXP_LN2_HI));
+    r = vfmsq_f32(r, n, vdupq_n_f32(GL_EXP_LN2_LO));
+    float32x4_t p = vdupq_n_f32(GL_EXP_C7);
+    p = vfmaq_f32(vdupq_n_f32(GL_EXP_C6), p, r);
+    p = vfmaq_f32(vdupq_n_f32(GL_EXP_C5), p, r);
+    p = vfmaq_f32(vdupq_n_f32(GL_EXP_C4), p, r);
+    p = vfmaq_f32(vdupq_n_f32(GL_EXP_C3), p, r);
+    p = vfmaq_f32(vdupq_n_f32(GL_EXP_C2), p, r);
+    p = vfmaq_f32(vdupq_n_f32(1.0f), p, r);
+    p = vfmaq_f32(vdupq_n_f32(1.0f), p, r);
+    const int32x4_t e = vshlq_n_s32(vaddq_s32(vcvtq_s32_f32(n), vdupq_n_s32(127)), 23);
+    p = vmulq_f32(p, vreinterpretq_f32_s32(e));
+    return vreinterpretq_f32_u32(vbicq_u32(vreinterpretq_u32_f32(p), under));
+}
+
+/* As the AVX2 softmax: max, exponentials summed in 4 lanes, scaling; the
+ * tail padded with -inf. */
+static void neon_softmax(float *x, int n, float scale) {
+    if (n <= 0) return;
+    float32x4_t vmx = vdupq_n_f32(-INFINITY);
+    int c = 0;
+    for (; c + 4 <= n; c += 4) vmx = vmaxq_f32(vmx, vld1q_f32(x + c));
+    float mx = vmaxvq_f32(vmx), buf[4];
+    for (; c < n; c++) if (x[c] > mx) mx = x[c];
+    const float32x4_t vm = vdupq_n_f32(mx), vs = vdupq_n_f32(scale);
+    float32x4_t sum = vdupq_n_f32(0);
+    for (c = 0; c + 4 <= n; c += 4) {
+        float32x4_t v = neon_exp(vmulq_f32(vs, vsubq_f32(vld1q_f32(x + c), vm)));
+        vst1q_f32(x + c, v);
+        sum = vaddq_f32(sum, v);
+    }
+    if (c < n) {
+        for (int l = 0; l < 4; l++) buf[l] = c + l < n ? x[c + l] : -INFINITY;
+        float32x4_t v = neon_exp(vmulq_f32(vs, vsubq_f32(vld1q_f32(buf), vm)));
+        vst1q_f32(buf, v);
+        sum = vaddq_f32(sum, v);
+        for (int l = 0; c + l < n; l++) x[c + l] = buf[l];
+    }
+    float32x2_t t = vadd_f32(vget_low_f32(sum), vget_high_f32(sum));
+    const float inv = 1.0f / (vget_lane_f32(t, 0) + vget_lane_f32(t, 1));
+    for (c = 0; c + 4 <= n; c += 4) vst1q_f32(x + c, vmulq_n_f32(vld1q_f32(x + c), inv));
+    for (; c < n; c++) x[c] *= inv;
+}
+
+static void neon_silu_mul(float *a, const float *b, int n) {
+    int c = 0;
+    for (; c + 4 <= n; c += 4) {
+        float32x4_t v = vld1q_f32(a + c);
+        float32x4_t d = vaddq_f32(vdupq_n_f32(1.0f), neon_exp(vnegq_f32(v)));
+        vst1q_f32(a + c, vmulq_f32(vdivq_f32(v, d), vld1q_f32(b + c)));
+    }
+    if (c < n) {
+        float ba[4] = {0}, bb[4] = {0};
+        memcpy(ba, a + c, (size_t)(n - c) * sizeof(float));
+        memcpy(bb, b + c, (size_t)(n - c) * sizeof(float));
+        neon_silu_mul(ba, bb, 4);
+        memcpy(a + c, ba, (size_t)(n - c) * sizeof(float));
+    }
+}
+
 static const gl_kernels gl_neon_kernels = {
     "neon", neon_matmul, neon_matmul_q8_plain, neon_quantize_q8, neon_dot, neon_axpy, neon_axpy_rows,
-    neon_axpy_rows_n,
+    neon_axpy_rows_n, neon_softmax, neon_silu_mul,
 };
 static const gl_kernels gl_neon_dot_kernels = {
     "neon_dotprod", neon_matmul, neon_matmul_q8_dot, neon_quantize_q8, neon_dot, neon_axpy, neon_axpy_rows,
-    neon_axpy_rows_n,
+    neon_axpy_rows_n, neon_softmax, neon_silu_mul,
 };
 
 /* ---- CPU features ---- */

@@ -137,6 +137,19 @@ static void scalar_axpy_rows_n(float *y, int ldy, const float *x, int ldx, const
     for (int h = 0; h < nh; h++) scalar_axpy_rows(y + (size_t)h * ldy, x, ldx, a + (size_t)h * lda, m, n);
 }
 
+static void scalar_softmax(float *x, int n, float scale) {
+    float mx = -INFINITY;
+    for (int i = 0; i < n; i++) if (x[i] > mx) mx = x[i];
+    float sum = 0;
+    for (int i = 0; i < n; i++) { x[i] = expf(scale * (x[i] - mx)); sum += x[i]; }
+    float inv = 1.0f / sum;
+    for (int i = 0; i < n; i++) x[i] *= inv;
+}
+
+static void scalar_silu_mul(float *a, const float *b, int n) {
+    for (int i = 0; i < n; i++) a[i] = a[i] / (1.0f + expf(-a[i])) * b[i];
+}
+
 /* One weight row converted to fp32 once, then dotted with every x row. */
 static void scalar_matmul(const gl_mat *w, const float *x, int n, int ldx,
                           float *y, int ldy, int r0, int r1) {
@@ -181,7 +194,7 @@ static void scalar_quantize_q8(const float *x, int n, int cols, int ldx, int8_t 
 
 static const gl_kernels gl_scalar_kernels = {
     "scalar", scalar_matmul, scalar_matmul_q8, scalar_quantize_q8, scalar_dot, scalar_axpy, scalar_axpy_rows,
-    scalar_axpy_rows_n,
+    scalar_axpy_rows_n, scalar_softmax, scalar_silu_mul,
 };
 
 const gl_kernels *gl_kernels_scalar(void) { return &gl_scalar_kernels; }
@@ -192,6 +205,23 @@ const gl_kernels *gl_kernels_scalar(void) { return &gl_scalar_kernels; }
 /* Each file compiles its functions for its instruction set with target
  * attributes, so the library needs no -m flags; define GL_NO_SIMD to build
  * the scalar set only (or for a compiler without target attributes). */
+
+/* e^x in the SIMD sets: x = n*ln2 + r with n = round(x/ln2), so |r| <=
+ * ln2/2; e^r by its Taylor series to r^7 (truncation below 1.3e-7 relative:
+ * about 2 ulp), then times 2^n placed in the exponent bits.  ln2 comes in two
+ * parts so n*ln2 is subtracted almost exactly.  x is clamped to [lo, hi] so
+ * 2^n stays a normal float; below lo the result is 0. */
+#define GL_EXP_LO     -87.33654475f       /* ln(2^-126)                      */
+#define GL_EXP_HI      88.02969193f       /* ln(2^127): n stays <= 127        */
+#define GL_EXP_LOG2E   1.44269504089f
+#define GL_EXP_LN2_HI  0.693359375f       /* exact in 11 bits                 */
+#define GL_EXP_LN2_LO -2.12194440e-4f     /* ln2 - LN2_HI                     */
+#define GL_EXP_C7      1.98412698e-4f     /* 1/7!                             */
+#define GL_EXP_C6      1.38888889e-3f
+#define GL_EXP_C5      8.33333333e-3f
+#define GL_EXP_C4      4.16666667e-2f
+#define GL_EXP_C3      1.66666667e-1f
+#define GL_EXP_C2      0.5f
 
 #if !defined(GL_NO_SIMD) && (defined(__GNUC__) || defined(__clang__))
 #if defined(__x86_64__) || defined(__i386__)

@@ -405,16 +405,85 @@ static GL_AVX2 void avx2_axpy_rows_n(float *y, int ldy, const float *x, int ldx,
     for (; h < nh; h++) avx2_axpy_rows(y + (size_t)h * ldy, x, ldx, a + (size_t)h * lda, m, n);
 }
 
+/* e^x on 8 lanes (GL_EXP_* in ggml_like.c says how). */
+GL_AVX2_INLINE __m256 avx2_exp(__m256 x) {
+    const __m256 under = _mm256_cmp_ps(x, _mm256_set1_ps(GL_EXP_LO), _CMP_LT_OQ);
+    x = _mm256_max_ps(_mm256_min_ps(x, _mm256_set1_ps(GL_EXP_HI)), _mm256_set1_ps(GL_EXP_LO));
+    const __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(GL_EXP_LOG2E)),
+                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m256 r = _mm256_fnmadd_ps(n, _mm256_set1_ps(GL_EXP_LN2_HI), x);
+    r = _mm256_fnmadd_ps(n, _mm256_set1_ps(GL_EXP_LN2_LO), r);
+    __m256 p = _mm256_set1_ps(GL_EXP_C7);
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(GL_EXP_C6));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(GL_EXP_C5));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(GL_EXP_C4));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(GL_EXP_C3));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(GL_EXP_C2));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.0f));
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
+}
+
+/* Three passes: the max, the exponentials and their sum (8 lanes, summed as
+ * avx2_hsum), the scaling.  The tail goes through the same vector code
+ * padded with -inf, which gives 0. */
+static GL_AVX2 void avx2_softmax(float *x, int n, float scale) {
+    if (n <= 0) return;
+    __m256 vmx = _mm256_set1_ps(-INFINITY);
+    int c = 0;
+    for (; c + 8 <= n; c += 8) vmx = _mm256_max_ps(vmx, _mm256_loadu_ps(x + c));
+    float mx = -INFINITY, buf[8];
+    _mm256_storeu_ps(buf, vmx);
+    for (int l = 0; l < 8; l++) if (buf[l] > mx) mx = buf[l];
+    for (; c < n; c++) if (x[c] > mx) mx = x[c];
+    const __m256 vm = _mm256_set1_ps(mx), vs = _mm256_set1_ps(scale);
+    __m256 sum = _mm256_setzero_ps();
+    for (c = 0; c + 8 <= n; c += 8) {
+        __m256 v = avx2_exp(_mm256_mul_ps(vs, _mm256_sub_ps(_mm256_loadu_ps(x + c), vm)));
+        _mm256_storeu_ps(x + c, v);
+        sum = _mm256_add_ps(sum, v);
+    }
+    if (c < n) {
+        for (int l = 0; l < 8; l++) buf[l] = c + l < n ? x[c + l] : -INFINITY;
+        __m256 v = avx2_exp(_mm256_mul_ps(vs, _mm256_sub_ps(_mm256_loadu_ps(buf), vm)));
+        _mm256_storeu_ps(buf, v);
+        sum = _mm256_add_ps(sum, v);
+        for (int l = 0; c + l < n; l++) x[c + l] = buf[l];
+    }
+    const __m256 inv = _mm256_set1_ps(1.0f / avx2_hsum(sum));
+    for (c = 0; c + 8 <= n; c += 8) _mm256_storeu_ps(x + c, _mm256_mul_ps(_mm256_loadu_ps(x + c), inv));
+    for (; c < n; c++) x[c] *= _mm256_cvtss_f32(inv);
+}
+
+GL_AVX2_INLINE __m256 avx2_silu_mul8(__m256 a, __m256 b) {
+    const __m256 one = _mm256_set1_ps(1.0f);
+    const __m256 d = _mm256_add_ps(one, avx2_exp(_mm256_sub_ps(_mm256_setzero_ps(), a)));
+    return _mm256_mul_ps(_mm256_div_ps(a, d), b);
+}
+
+static GL_AVX2 void avx2_silu_mul(float *a, const float *b, int n) {
+    int c = 0;
+    for (; c + 8 <= n; c += 8) _mm256_storeu_ps(a + c, avx2_silu_mul8(_mm256_loadu_ps(a + c), _mm256_loadu_ps(b + c)));
+    if (c < n) {
+        const __m256i mask = avx2_tail_mask(n - c);
+        _mm256_maskstore_ps(a + c, mask, avx2_silu_mul8(_mm256_maskload_ps(a + c, mask), _mm256_maskload_ps(b + c, mask)));
+    }
+}
+
 static const gl_kernels gl_avx2_kernels = {
     "avx2", avx2_matmul, avx2_matmul_q8, avx2_quantize_q8, avx2_dot, avx2_axpy, avx2_axpy_rows, avx2_axpy_rows_n,
+    avx2_softmax, avx2_silu_mul,
 };
 
 /* The VNNI sets differ from AVX2 only in the W8A8 matmul. */
 static const gl_kernels gl_avx_vnni_kernels = {
     "avx_vnni", avx2_matmul, vnni_matmul_q8, avx2_quantize_q8, avx2_dot, avx2_axpy, avx2_axpy_rows, avx2_axpy_rows_n,
+    avx2_softmax, avx2_silu_mul,
 };
 static const gl_kernels gl_avx512_vnni_kernels = {
     "avx512_vnni", avx2_matmul, evex_matmul_q8, avx2_quantize_q8, avx2_dot, avx2_axpy, avx2_axpy_rows, avx2_axpy_rows_n,
+    avx2_softmax, avx2_silu_mul,
 };
 
 /* bf16 (shifted into the top half) or f16 (F16C) to fp32, 8 at a time;

@@ -357,6 +357,49 @@ static void test_axpy_rows(const gl_kernels *k) {
     free(x); free(p); free(y); free(y1); free(ys);
 }
 
+/* softmax and silu_mul against the scalar set (expf): within a few ulp per
+ * element, on odd lengths (the vector tails), wide ranges, and the inputs
+ * at the edges of the exponential: far below its range (0), above it (no
+ * inf or NaN), and -inf in a softmax row (a masked key gives 0). */
+static void test_softmax_silu(const gl_kernels *k) {
+    const gl_kernels *s = gl_kernels_scalar();
+    static const int ns[] = {1, 3, 4, 7, 8, 9, 31, 64, 550, 1001};
+    float *x = xmalloc(1001 * sizeof(float)), *xs = xmalloc(1001 * sizeof(float)), *b = xmalloc(1001 * sizeof(float));
+    double worst_sm = 0, worst_si = 0;
+    for (size_t ni = 0; ni < sizeof ns / sizeof *ns; ni++)
+        for (int range = 0; range < 3; range++) {
+            int n = ns[ni];
+            float spread = range == 0 ? 1.0f : range == 1 ? 30.0f : 300.0f, scale = range == 2 ? 0.5f : 0.0883883f;
+            for (int i = 0; i < n; i++) xs[i] = x[i] = rng_unif() * spread;
+            if (range == 2 && n > 2) xs[n / 2] = x[n / 2] = -INFINITY;
+            k->softmax(x, n, scale);
+            s->softmax(xs, n, scale);
+            int ok = 1;
+            double sum = 0;
+            for (int i = 0; i < n; i++) {
+                double err = fabs((double)x[i] - xs[i]);
+                if (err > 4e-6 * xs[i] + 1e-30 || !(x[i] >= 0)) ok = 0;
+                if (xs[i] > 1e-30 && err / xs[i] > worst_sm) worst_sm = err / xs[i];
+                sum += x[i];
+            }
+            check(ok && fabs(sum - 1) < 1e-5, "%s: softmax n=%d range %g differs from scalar (sum %g)", k->name, n,
+                  (double)spread, sum);
+            for (int i = 0; i < n; i++) { xs[i] = x[i] = rng_unif() * spread * 4; b[i] = rng_unif() * 2; }
+            if (n > 3) { xs[0] = x[0] = -1000.0f; xs[1] = x[1] = 1000.0f; xs[2] = x[2] = 0.0f; }
+            k->silu_mul(x, b, n);
+            s->silu_mul(xs, b, n);
+            ok = 1;
+            for (int i = 0; i < n; i++) {
+                double err = fabs((double)x[i] - xs[i]);
+                if (err > 1e-6 * fabs((double)xs[i]) + 1e-30 || x[i] != x[i]) ok = 0;
+                if (fabs((double)xs[i]) > 1e-30 && err / fabs((double)xs[i]) > worst_si) worst_si = err / fabs((double)xs[i]);
+            }
+            check(ok, "%s: silu_mul n=%d range %g differs from scalar", k->name, n, (double)spread);
+        }
+    printf("  %s: softmax and silu_mul against expf: worst relative error %.2e and %.2e\n", k->name, worst_sm, worst_si);
+    free(x); free(xs); free(b);
+}
+
 static void test_dot_axpy(const gl_kernels *k) {
     const gl_kernels *s = gl_kernels_scalar();
     static const int ns[] = {0, 1, 7, 8, 31, 33, 64, 129, 512, 4097};
@@ -631,6 +674,7 @@ int main(int argc, char **argv) {
         test_quantize(sets[s]);
         test_dot_axpy(sets[s]);
         test_axpy_rows(sets[s]);
+        test_softmax_silu(sets[s]);
         test_matmul_vs_scalar(sets[s]);
         test_q8_extremes(sets[s]);
         test_invariance(sets[s], pool2, pool4);
