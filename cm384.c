@@ -3773,15 +3773,23 @@ static void rmsnorm(float *out, const float *x, const float *w, int n, float eps
     for (int i = 0; i < n; i++) out[i] = x[i] * inv * w[i];
 }
 
-/* RoPE on interleaved pairs (2k, 2k+1), as DeepSeek's view_as_complex. */
-static void rope(const cm384_model *m, float *v, int pos) {
-    int half = m->hp.qk_rope / 2;
-    for (int k = 0; k < half; k++) {
+/* RoPE on interleaved pairs (2k, 2k+1), as DeepSeek's view_as_complex.
+ * rope_angles fills cs[2k], cs[2k+1] with the (mscale-scaled) cos and sin of
+ * pair k at pos -- once per token per forward, since every layer and head
+ * rotates by the same angles; rope rotates v by them. */
+static void rope_angles(const cm384_model *m, int pos, float *cs) {
+    for (int k = 0; k < m->hp.qk_rope / 2; k++) {
         float ang = (float)pos * m->rope_freq[k];
-        float c = (float)cos((double)ang) * m->rope_mscale, s = (float)sin((double)ang) * m->rope_mscale;
-        float a = v[2 * k], b = v[2 * k + 1];
-        v[2 * k] = a * c - b * s;
-        v[2 * k + 1] = a * s + b * c;
+        cs[2 * k] = (float)cos((double)ang) * m->rope_mscale;
+        cs[2 * k + 1] = (float)sin((double)ang) * m->rope_mscale;
+    }
+}
+
+static void rope(float *v, const float *cs, int dim) {
+    for (int k = 0; k < dim; k += 2) {
+        float a = v[k], b = v[k + 1], c = cs[k], s = cs[k + 1];
+        v[k] = a * c - b * s;
+        v[k + 1] = a * s + b * c;
     }
 }
 
@@ -4055,6 +4063,7 @@ typedef struct fwd_scratch {
     float  *q;                 /* [cap][H][nope+rope]                              */
     float  *kva;               /* [cap][kv_lora+rope]                              */
     float  *qlat;              /* [cap][H][kv_lora+rope] absorbed query + q_pe     */
+    float  *rope_cs;           /* [cap][rope] each row's RoPE cos/sin (rope_angles) */
     float  *ctx;               /* [cap][H][kv_lora] attended latents               */
     float  *att;               /* [cap][H][v]                                      */
     float  *tmp;               /* [cap][dim] block output before the residual add  */
@@ -4116,6 +4125,7 @@ static void scratch_carve(carver *c, fwd_scratch *s, const hparams *hp, int cap,
 #define F(n) carve(c, (n) * sizeof(float))
     s->x = F(C * D); s->xn = F(C * D); s->qa = F(C * (size_t)(hp->q_lora + 1));
     s->q = F(C * H * (hp->qk_nope + hp->qk_rope)); s->kva = F(C * lat); s->qlat = F(C * H * lat);
+    s->rope_cs = F(C * (size_t)hp->qk_rope);
     s->ctx = F(C * H * hp->kv_lora); s->att = F(C * H * hp->v_head); s->tmp = F(C * D);
     s->ffa = F(C * inter); s->ffb = F(C * inter);
     s->scores = F((size_t)workers * H * CORE_TILE * (size_t)max_ctx);
@@ -4425,6 +4435,7 @@ static void t_norm(void *ctx, int g, int t, int worker) {
     float *x = s->x + (size_t)r * D;
     if (mb->pending == PEND_EMBED) {
         gl_row_to_f32(&m->embed, mb->tok[r], x);
+        rope_angles(m, mb->pos[r], s->rope_cs + (size_t)r * hp->qk_rope);
     } else if (mb->pending == PEND_ADD_TMP) {
         const float *a = s->tmp + (size_t)r * D;
         for (int d = 0; d < D; d++) x[d] += a[d];
@@ -4469,7 +4480,7 @@ static void t_kv_write(void *ctx, int g, int t, int worker) {
     float *row = kv_row(&o->e->kv, mb->tables[r], o->layer, mb->pos[r] + mb->kv_shift);
     rmsnorm(row, kva, L->kv_norm, hp->kv_lora, hp->eps);
     memcpy(row + hp->kv_lora, kva + hp->kv_lora, (size_t)hp->qk_rope * sizeof(float));
-    rope(m, row + hp->kv_lora, mb->pos[r]);
+    rope(row + hp->kv_lora, mb->s->rope_cs + (size_t)r * hp->qk_rope, hp->qk_rope);
 }
 
 /* Absorb W_uk into the query for one head over a device's rows, then place
@@ -4498,7 +4509,7 @@ static void t_absorb(void *ctx, int g, int h, int worker) {
     for (int t = 0; t < gr->n; t++) {
         float *dst = ql + (size_t)t * H * lat + hp->kv_lora;
         memcpy(dst, q + (size_t)t * H * qk + hp->qk_nope, (size_t)hp->qk_rope * sizeof(float));
-        rope(m, dst, mb->pos[gr->first + t]);
+        rope(dst, mb->s->rope_cs + (size_t)(gr->first + t) * hp->qk_rope, hp->qk_rope);
     }
 }
 
@@ -4986,6 +4997,7 @@ static void t_mtp_in(void *ctx, int g, int t, int worker) {
     int D = m->hp.dim, r = mb->groups[g].first + t;
     float *row = mb->s->ffa + (size_t)r * 2 * D;
     gl_row_to_f32(&L->embed, mb->tok[r], row);
+    rope_angles(m, mb->pos[r], mb->s->rope_cs + (size_t)r * m->hp.qk_rope);
     rmsnorm(row, row, L->enorm, D, m->hp.eps);
     rmsnorm(row + D, o->h_in + (size_t)r * D, L->hnorm, D, m->hp.eps);
     if (op_q8(o)) quantize_row(o->e, row, 2 * D, mb->s->ffq + (size_t)r * 2 * D, &mb->s->ffs[r]);
