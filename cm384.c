@@ -4055,6 +4055,8 @@ static void region_add_mm(region *rg, int n_workers, mm_job *jb, int device) {
 /* ---- per-microbatch working memory (carved from the pool) ---- */
 
 #define CORE_TILE 4       /* queries of one sequence the attention core takes together */
+#define CORE_KEYS 64      /* keys per attention-core chunk (rounded up to whole KV blocks) */
+#define CORE_SLACK 8.0f   /* the core's softmax terms stay below e^8 (see t_core)         */
 
 typedef struct fwd_scratch {
     int     cap;               /* tokens                                          */
@@ -4068,7 +4070,9 @@ typedef struct fwd_scratch {
     float  *att;               /* [cap][H][v]                                      */
     float  *tmp;               /* [cap][dim] block output before the residual add  */
     float  *ffa, *ffb;         /* [cap][max(inter, shared inter, 2*dim)]           */
-    float  *scores;            /* [workers][CORE_TILE][H][max_ctx]                 */
+    int     core_chunk;        /* keys per attention-core chunk                    */
+    float  *scores;            /* [workers][CORE_TILE][H][core_chunk]             */
+    float  *run_ml;            /* [workers][CORE_TILE][H][2] running max and sum  */
     int    *tile_row, *tile_n; /* [cap] attention-core tiles: first row, rows      */
     int    *tile_first;        /* [cap+1] per device group: its first tile         */
     float  *router;            /* [cap][E] router logits                           */
@@ -4108,7 +4112,7 @@ static void *carve(carver *c, size_t bytes) {
     return c->base ? c->base + at : NULL;
 }
 
-static void scratch_carve(carver *c, fwd_scratch *s, const hparams *hp, int cap, int max_ctx, int workers,
+static void scratch_carve(carver *c, fwd_scratch *s, const hparams *hp, int cap, int block, int workers,
                           int n_entries, int n_jobs) {
     size_t C = (size_t)cap, H = (size_t)hp->n_heads, K = (size_t)(hp->top_k > 0 ? hp->top_k : 1);
     size_t D = (size_t)hp->dim, lat = (size_t)hp->kv_lora + hp->qk_rope;
@@ -4128,7 +4132,9 @@ static void scratch_carve(carver *c, fwd_scratch *s, const hparams *hp, int cap,
     s->rope_cs = F(C * (size_t)hp->qk_rope);
     s->ctx = F(C * H * hp->kv_lora); s->att = F(C * H * hp->v_head); s->tmp = F(C * D);
     s->ffa = F(C * inter); s->ffb = F(C * inter);
-    s->scores = F((size_t)workers * H * CORE_TILE * (size_t)max_ctx);
+    s->core_chunk = (CORE_KEYS + block - 1) / block * block;
+    s->scores = F((size_t)workers * H * CORE_TILE * (size_t)s->core_chunk);
+    s->run_ml = F((size_t)workers * H * CORE_TILE * 2);
     s->tile_row = carve(c, C * sizeof(int));
     s->tile_n = carve(c, C * sizeof(int));
     s->tile_first = carve(c, (C + 1) * sizeof(int));
@@ -4514,13 +4520,20 @@ static void t_absorb(void *ctx, int g, int h, int worker) {
 }
 
 /* Attention core for a tile of up to CORE_TILE consecutive queries of one
- * sequence and a range of heads.  Scores come a KV block (16 keys) at a time
- * from the matmul kernel -- the block's rows are the matrix, the queries its
- * input -- so a key's row is read once for every query and head of the
- * tile; then softmax, then the attended latent, summed over keys in
- * position order.  Every (query, head) result is the same whatever tile or
- * split it falls in: the kernel's per-row results do not depend on the
- * batch, and the sums run in a fixed order. */
+ * sequence and a range of heads, a chunk of keys (a few KV blocks) at a time
+ * as flash attention goes.  The chunk's scores come from the matmul kernel,
+ * a block at a time -- the block's rows are the matrix, the tile's queries
+ * and heads the input, so a key's row is read once for all of them.  Each
+ * (query, head) keeps a running shift M and sum L of e^(scale*(score - M));
+ * then the chunk's rows, still in cache, are added with their weights to the
+ * attended latent, which is divided by L at the end.  M is raised (and the
+ * latent and L scaled down to match) only when a score exceeds it by enough
+ * that e^(scale*(score - M)) could pass e^CORE_SLACK, so that is rare.  Each
+ * latent row comes from memory once per task, not once for the scores and
+ * again for the sum, and no buffer grows with the context.  Every (query,
+ * head) result is the same whatever tile or split it falls in: the kernels'
+ * per-row results do not depend on the batch, and each query visits the
+ * same chunks (fixed by KV slot) in the same order. */
 static void t_core(void *ctx, int g, int task, int worker) {
     op *o = ctx;
     microbatch *mb = o->mb;
@@ -4529,47 +4542,79 @@ static void t_core(void *ctx, int g, int task, int worker) {
     const gl_kernels *k = e->k;
     fwd_scratch *s = mb->s;
     int H = hp->n_heads, lat = hp->kv_lora + hp->qk_rope, R = hp->kv_lora, B = e->kv.block_tokens;
+    int CH = s->core_chunk;                                          /* keys per chunk: whole blocks */
     int tile = s->tile_first[g] + task / o->core_split;
     int per = (H + o->core_split - 1) / o->core_split, h0 = task % o->core_split * per, h1 = h0 + per;
     if (h1 > H) h1 = H;
-    int r0 = s->tile_row[tile], nq = s->tile_n[tile], sh = mb->kv_shift, mc = e->max_ctx + 1;
+    int r0 = s->tile_row[tile], nq = s->tile_n[tile], sh = mb->kv_shift;
     int p0 = mb->pos[r0], n_keys = mb->pos[r0 + nq - 1] + 1;       /* keys of the last query */
     const int *tab = mb->tables[r0];
-    float *sc = s->scores + (size_t)worker * H * CORE_TILE * mc;  /* [q][h][key] */
-#define SC(h, q) (sc + ((size_t)(q) * H + (h)) * mc)
-    float scale = e->m->attn_scale;
-    for (int j0 = 0; j0 < n_keys;) {
-        /* keys j0 .. j0+nk-1: consecutive rows of one block (slot = key + kv_shift);
-         * every head of a query reads the same latent rows (MLA), so the
-         * heads are the product's batch: one call per query, or one for the
-         * whole tile when it has every head */
-        int nk = B - (j0 + sh) % B;
-        if (nk > n_keys - j0) nk = n_keys - j0;
-        gl_mat kb = {GL_F32, nk, lat, kv_row(&e->kv, tab, o->layer, j0 + sh), NULL};
-        if (h0 == 0 && h1 == H)
-            k->matmul(&kb, s->qlat + (size_t)r0 * H * lat, nq * H, lat, SC(0, 0) + j0, mc, 0, nk);
-        else
-            for (int q = 0; q < nq; q++)
-                k->matmul(&kb, s->qlat + ((size_t)(r0 + q) * H + h0) * lat, h1 - h0, lat, SC(h0, q) + j0, mc, 0, nk);
-        j0 += nk;
-    }
+    float *sc = s->scores + (size_t)worker * CORE_TILE * H * CH;     /* [q][h][key in chunk] */
+    float *run = s->run_ml + (size_t)worker * CORE_TILE * H * 2;     /* [q][h]: M, L         */
+    float scale = e->m->attn_scale, slack = CORE_SLACK / scale;
+#define SC(h, q) (sc + ((size_t)(q) * H + (h)) * CH)
+#define ML(h, q) (run + ((size_t)(q) * H + (h)) * 2)
+#define LATENT(h, q) (s->ctx + ((size_t)(r0 + (q)) * H + (h)) * R)
     for (int q = 0; q < nq; q++)
-        for (int h = h0; h < h1; h++) k->softmax(SC(h, q), p0 + q + 1, scale);
-    for (int q = 0; q < nq; q++)
-        for (int h = h0; h < h1; h++) memset(s->ctx + ((size_t)(r0 + q) * H + h) * R, 0, (size_t)R * sizeof(float));
-    for (int j0 = 0; j0 < n_keys;) {               /* a block's run of keys at a time */
-        int nk = B - (j0 + sh) % B;
-        if (nk > n_keys - j0) nk = n_keys - j0;
-        const float *rows = kv_row(&e->kv, tab, o->layer, j0 + sh);
-        for (int q = 0; q < nq; q++) {
-            int m = p0 + q + 1 - j0;                   /* keys of this run query q sees */
-            if (m <= 0) continue;
-            if (m > nk) m = nk;
-            k->axpy_rows_n(s->ctx + ((size_t)(r0 + q) * H + h0) * R, R, rows, lat, SC(h0, q) + j0, mc, h1 - h0, m, R);
+        for (int h = h0; h < h1; h++) {
+            ML(h, q)[0] = -INFINITY;
+            ML(h, q)[1] = 0;
+            memset(LATENT(h, q), 0, (size_t)R * sizeof(float));
         }
-        j0 += nk;
+    for (int c0 = 0; c0 < n_keys;) {
+        int c1 = c0 + CH - (c0 + sh) % CH;            /* the chunk's end, by slot */
+        if (c1 > n_keys) c1 = n_keys;
+        /* scores, a block's run of keys at a time (slot = key + kv_shift);
+         * every head of a query reads the same latent rows (MLA), so the heads
+         * are the product's batch: one call per query, or one for the whole
+         * tile when it has every head */
+        for (int j0 = c0; j0 < c1;) {
+            int nk = B - (j0 + sh) % B;
+            if (nk > c1 - j0) nk = c1 - j0;
+            gl_mat kb = {GL_F32, nk, lat, kv_row(&e->kv, tab, o->layer, j0 + sh), NULL};
+            if (h0 == 0 && h1 == H)
+                k->matmul(&kb, s->qlat + (size_t)r0 * H * lat, nq * H, lat, SC(0, 0) + (j0 - c0), CH, 0, nk);
+            else
+                for (int q = 0; q < nq; q++)
+                    k->matmul(&kb, s->qlat + ((size_t)(r0 + q) * H + h0) * lat, h1 - h0, lat,
+                              SC(h0, q) + (j0 - c0), CH, 0, nk);
+            j0 += nk;
+        }
+        for (int q = 0; q < nq; q++) {
+            int m = p0 + q + 1 - c0;                   /* keys of this chunk query q sees */
+            if (m <= 0) continue;
+            if (m > c1 - c0) m = c1 - c0;
+            for (int h = h0; h < h1; h++) {
+                float *p = SC(h, q), *ml = ML(h, q), bm = p[0];
+                for (int j = 1; j < m; j++) if (p[j] > bm) bm = p[j];
+                if (ml[1] == 0) {
+                    ml[0] = bm;                        /* the first chunk sets the shift */
+                } else if (bm > ml[0] + slack) {       /* raise it: scale down what came before */
+                    float f = expf(scale * (ml[0] - bm)), *lt = LATENT(h, q);
+                    ml[1] *= f;
+                    for (int i = 0; i < R; i++) lt[i] *= f;
+                    ml[0] = bm;
+                }
+                ml[1] += k->exp_sum(p, m, scale, ml[0]);
+            }
+            for (int j0 = c0; j0 < c0 + m;) {          /* weighted rows, a block's run at a time */
+                int nk = B - (j0 + sh) % B;
+                if (nk > c0 + m - j0) nk = c0 + m - j0;
+                k->axpy_rows_n(LATENT(h0, q), R, kv_row(&e->kv, tab, o->layer, j0 + sh), lat, SC(h0, q) + (j0 - c0),
+                               CH, h1 - h0, nk, R);
+                j0 += nk;
+            }
+        }
+        c0 = c1;
     }
+    for (int q = 0; q < nq; q++)
+        for (int h = h0; h < h1; h++) {
+            float inv = 1.0f / ML(h, q)[1], *lt = LATENT(h, q);
+            for (int i = 0; i < R; i++) lt[i] *= inv;
+        }
 #undef SC
+#undef ML
+#undef LATENT
 }
 
 /* Cuts each device group's rows into attention-core tiles: runs of
@@ -6530,7 +6575,7 @@ static void carve_pool(struct cm384_engine *e, carver *c) {
     e->free_blocks = carve(c, (size_t)NB * sizeof(int));
     e->index = carve(c, (size_t)e->index_cap * sizeof(int));
     for (int i = 0; i < 2; i++)
-        scratch_carve(c, &e->s[i], hp, e->step_cap, e->max_ctx + 1, e->n_workers, n_entries, n_jobs);
+        scratch_carve(c, &e->s[i], hp, e->step_cap, e->kv.block_tokens, e->n_workers, n_entries, n_jobs);
     S->logits = carve(c, (size_t)S->rows_cap * V * sizeof(float));
     S->cands = carve(c, (size_t)e->n_workers * V * sizeof(cand));
     for (int i = 0; i < 2; i++) {

@@ -364,18 +364,13 @@ GL_NEON_INLINE float32x4_t neon_exp(float32x4_t x) {
     return vreinterpretq_f32_u32(vbicq_u32(vreinterpretq_u32_f32(p), under));
 }
 
-/* As the AVX2 softmax: max, exponentials summed in 4 lanes, scaling; the
- * tail padded with -inf. */
-static void neon_softmax(float *x, int n, float scale) {
-    if (n <= 0) return;
-    float32x4_t vmx = vdupq_n_f32(-INFINITY);
-    int c = 0;
-    for (; c + 4 <= n; c += 4) vmx = vmaxq_f32(vmx, vld1q_f32(x + c));
-    float mx = vmaxvq_f32(vmx), buf[4];
-    for (; c < n; c++) if (x[c] > mx) mx = x[c];
-    const float32x4_t vm = vdupq_n_f32(mx), vs = vdupq_n_f32(scale);
+/* As the AVX2 exp_sum, in 4 lanes; the tail padded with -inf. */
+static float neon_exp_sum(float *x, int n, float scale, float shift) {
+    float buf[4];
+    const float32x4_t vm = vdupq_n_f32(shift), vs = vdupq_n_f32(scale);
     float32x4_t sum = vdupq_n_f32(0);
-    for (c = 0; c + 4 <= n; c += 4) {
+    int c = 0;
+    for (; c + 4 <= n; c += 4) {
         float32x4_t v = neon_exp(vmulq_f32(vs, vsubq_f32(vld1q_f32(x + c), vm)));
         vst1q_f32(x + c, v);
         sum = vaddq_f32(sum, v);
@@ -388,9 +383,7 @@ static void neon_softmax(float *x, int n, float scale) {
         for (int l = 0; c + l < n; l++) x[c + l] = buf[l];
     }
     float32x2_t t = vadd_f32(vget_low_f32(sum), vget_high_f32(sum));
-    const float inv = 1.0f / (vget_lane_f32(t, 0) + vget_lane_f32(t, 1));
-    for (c = 0; c + 4 <= n; c += 4) vst1q_f32(x + c, vmulq_n_f32(vld1q_f32(x + c), inv));
-    for (; c < n; c++) x[c] *= inv;
+    return vget_lane_f32(t, 0) + vget_lane_f32(t, 1);
 }
 
 static void neon_silu_mul(float *a, const float *b, int n) {
@@ -411,11 +404,11 @@ static void neon_silu_mul(float *a, const float *b, int n) {
 
 static const gl_kernels gl_neon_kernels = {
     "neon", neon_matmul, neon_matmul_q8_plain, neon_quantize_q8, neon_dot, neon_axpy, neon_axpy_rows,
-    neon_axpy_rows_n, neon_softmax, neon_silu_mul,
+    neon_axpy_rows_n, neon_exp_sum, neon_silu_mul,
 };
 static const gl_kernels gl_neon_dot_kernels = {
     "neon_dotprod", neon_matmul, neon_matmul_q8_dot, neon_quantize_q8, neon_dot, neon_axpy, neon_axpy_rows,
-    neon_axpy_rows_n, neon_softmax, neon_silu_mul,
+    neon_axpy_rows_n, neon_exp_sum, neon_silu_mul,
 };
 
 /* ---- CPU features ---- */

@@ -137,13 +137,10 @@ static void scalar_axpy_rows_n(float *y, int ldy, const float *x, int ldx, const
     for (int h = 0; h < nh; h++) scalar_axpy_rows(y + (size_t)h * ldy, x, ldx, a + (size_t)h * lda, m, n);
 }
 
-static void scalar_softmax(float *x, int n, float scale) {
-    float mx = -INFINITY;
-    for (int i = 0; i < n; i++) if (x[i] > mx) mx = x[i];
+static float scalar_exp_sum(float *x, int n, float scale, float shift) {
     float sum = 0;
-    for (int i = 0; i < n; i++) { x[i] = expf(scale * (x[i] - mx)); sum += x[i]; }
-    float inv = 1.0f / sum;
-    for (int i = 0; i < n; i++) x[i] *= inv;
+    for (int i = 0; i < n; i++) { x[i] = expf(scale * (x[i] - shift)); sum += x[i]; }
+    return sum;
 }
 
 static void scalar_silu_mul(float *a, const float *b, int n) {
@@ -194,7 +191,7 @@ static void scalar_quantize_q8(const float *x, int n, int cols, int ldx, int8_t 
 
 static const gl_kernels gl_scalar_kernels = {
     "scalar", scalar_matmul, scalar_matmul_q8, scalar_quantize_q8, scalar_dot, scalar_axpy, scalar_axpy_rows,
-    scalar_axpy_rows_n, scalar_softmax, scalar_silu_mul,
+    scalar_axpy_rows_n, scalar_exp_sum, scalar_silu_mul,
 };
 
 const gl_kernels *gl_kernels_scalar(void) { return &gl_scalar_kernels; }

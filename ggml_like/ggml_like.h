@@ -101,11 +101,12 @@ typedef struct gl_kernels {
        weights a + h*lda; the same bits as nh calls of axpy_rows.  The
        attention core's heads, which share the latent rows (MLA). */
     void  (*axpy_rows_n)(float *y, int ldy, const float *x, int ldx, const float *a, int lda, int nh, int m, int n);
-    /* x[i] = e^(scale*(x[i] - max)) / sum, in place, scale > 0: the
-       attention core's softmax with its 1/sqrt(d) folded in.  The SIMD sets
-       evaluate e^t by a polynomial within a few ulp of expf (inputs below
-       about -87 give 0), so they match the scalar set to ~1e-6 relative. */
-    void  (*softmax)(float *x, int n, float scale);
+    /* x[i] = e^(scale*(x[i] - shift)) in place; returns their sum, added
+       in a fixed order.  The attention core's softmax, a block of keys at a
+       time (its 1/sqrt(d) is the scale).  The SIMD sets evaluate e^t by a
+       polynomial within a few ulp of expf (t below about -87 gives 0), so
+       they match the scalar set to ~1e-6 relative. */
+    float (*exp_sum)(float *x, int n, float scale, float shift);
     /* a[i] = silu(a[i]) * b[i] = a[i] / (1 + e^-a[i]) * b[i]: the gated
        feed-forward's activation, with the same exponential. */
     void  (*silu_mul)(float *a, const float *b, int n);

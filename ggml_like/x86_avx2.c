@@ -425,21 +425,14 @@ GL_AVX2_INLINE __m256 avx2_exp(__m256 x) {
     return _mm256_andnot_ps(under, _mm256_mul_ps(p, _mm256_castsi256_ps(e)));
 }
 
-/* Three passes: the max, the exponentials and their sum (8 lanes, summed as
- * avx2_hsum), the scaling.  The tail goes through the same vector code
- * padded with -inf, which gives 0. */
-static GL_AVX2 void avx2_softmax(float *x, int n, float scale) {
-    if (n <= 0) return;
-    __m256 vmx = _mm256_set1_ps(-INFINITY);
-    int c = 0;
-    for (; c + 8 <= n; c += 8) vmx = _mm256_max_ps(vmx, _mm256_loadu_ps(x + c));
-    float mx = -INFINITY, buf[8];
-    _mm256_storeu_ps(buf, vmx);
-    for (int l = 0; l < 8; l++) if (buf[l] > mx) mx = buf[l];
-    for (; c < n; c++) if (x[c] > mx) mx = x[c];
-    const __m256 vm = _mm256_set1_ps(mx), vs = _mm256_set1_ps(scale);
+/* The exponentials summed in 8 lanes (added as avx2_hsum); the tail goes
+ * through the same vector code padded with -inf, which gives 0. */
+static GL_AVX2 float avx2_exp_sum(float *x, int n, float scale, float shift) {
+    float buf[8];
+    const __m256 vm = _mm256_set1_ps(shift), vs = _mm256_set1_ps(scale);
     __m256 sum = _mm256_setzero_ps();
-    for (c = 0; c + 8 <= n; c += 8) {
+    int c = 0;
+    for (; c + 8 <= n; c += 8) {
         __m256 v = avx2_exp(_mm256_mul_ps(vs, _mm256_sub_ps(_mm256_loadu_ps(x + c), vm)));
         _mm256_storeu_ps(x + c, v);
         sum = _mm256_add_ps(sum, v);
@@ -451,9 +444,7 @@ static GL_AVX2 void avx2_softmax(float *x, int n, float scale) {
         sum = _mm256_add_ps(sum, v);
         for (int l = 0; c + l < n; l++) x[c + l] = buf[l];
     }
-    const __m256 inv = _mm256_set1_ps(1.0f / avx2_hsum(sum));
-    for (c = 0; c + 8 <= n; c += 8) _mm256_storeu_ps(x + c, _mm256_mul_ps(_mm256_loadu_ps(x + c), inv));
-    for (; c < n; c++) x[c] *= _mm256_cvtss_f32(inv);
+    return avx2_hsum(sum);
 }
 
 GL_AVX2_INLINE __m256 avx2_silu_mul8(__m256 a, __m256 b) {
@@ -473,17 +464,17 @@ static GL_AVX2 void avx2_silu_mul(float *a, const float *b, int n) {
 
 static const gl_kernels gl_avx2_kernels = {
     "avx2", avx2_matmul, avx2_matmul_q8, avx2_quantize_q8, avx2_dot, avx2_axpy, avx2_axpy_rows, avx2_axpy_rows_n,
-    avx2_softmax, avx2_silu_mul,
+    avx2_exp_sum, avx2_silu_mul,
 };
 
 /* The VNNI sets differ from AVX2 only in the W8A8 matmul. */
 static const gl_kernels gl_avx_vnni_kernels = {
     "avx_vnni", avx2_matmul, vnni_matmul_q8, avx2_quantize_q8, avx2_dot, avx2_axpy, avx2_axpy_rows, avx2_axpy_rows_n,
-    avx2_softmax, avx2_silu_mul,
+    avx2_exp_sum, avx2_silu_mul,
 };
 static const gl_kernels gl_avx512_vnni_kernels = {
     "avx512_vnni", avx2_matmul, evex_matmul_q8, avx2_quantize_q8, avx2_dot, avx2_axpy, avx2_axpy_rows, avx2_axpy_rows_n,
-    avx2_softmax, avx2_silu_mul,
+    avx2_exp_sum, avx2_silu_mul,
 };
 
 /* bf16 (shifted into the top half) or f16 (F16C) to fp32, 8 at a time;
