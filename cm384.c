@@ -4221,6 +4221,7 @@ struct cm384_engine {
     uint64_t          kv_handoff_bytes;
     int              *dbg_route;             /* tests: [layers][max_ctx][K] experts */
     int              *dbg_draft;             /* tests: [max_ctx] draft made at each MTP position */
+    float            *dbg_amax;              /* tests, 1 worker: [layer][attn, ffn][dim] max |normed input| */
     int               mtp;                   /* speculative decoding with MTP on  */
     float            *blk_h;                 /* [blocks][dim] h at each block's end (MTP) */
     /* trace */
@@ -4459,6 +4460,10 @@ static void t_norm(void *ctx, int g, int t, int worker) {
                     : o->kind == OP_FFN  ? m->layers[o->layer].ffn_norm : o->head_norm;
     float *xn = s->xn + (size_t)r * D;
     rmsnorm(xn, x, nw, D, hp->eps);
+    if (o->e->dbg_amax && o->kind != OP_HEAD) {
+        float *am = o->e->dbg_amax + ((size_t)o->layer * 2 + (o->kind == OP_ATTN ? 0 : 1)) * D;
+        for (int d = 0; d < D; d++) if (fabsf(xn[d]) > am[d]) am[d] = fabsf(xn[d]);
+    }
     if (op_q8(o) && o->kind != OP_HEAD) quantize_row(o->e, xn, D, s->xnq + (size_t)r * D, &s->xns[r]);
     if (o->kind == OP_HEAD) {
         if (s->sel[r] >= 0) memcpy(s->hsel + (size_t)s->sel[r] * D, xn, (size_t)D * sizeof(float));
