@@ -4222,6 +4222,7 @@ struct cm384_engine {
     int              *dbg_route;             /* tests: [layers][max_ctx][K] experts */
     int              *dbg_draft;             /* tests: [max_ctx] draft made at each MTP position */
     float            *dbg_amax;              /* tests, 1 worker: [layer][attn, ffn][dim] max |normed input| */
+    float             core_slack;            /* CORE_SLACK; tests set 0: t_core rescales at every new max */
     int               mtp;                   /* speculative decoding with MTP on  */
     float            *blk_h;                 /* [blocks][dim] h at each block's end (MTP) */
     /* trace */
@@ -4556,7 +4557,7 @@ static void t_core(void *ctx, int g, int task, int worker) {
     const int *tab = mb->tables[r0];
     float *sc = s->scores + (size_t)worker * CORE_TILE * H * CH;     /* [q][h][key in chunk] */
     float *run = s->run_ml + (size_t)worker * CORE_TILE * H * 2;     /* [q][h]: M, L         */
-    float scale = e->m->attn_scale, slack = CORE_SLACK / scale;
+    float scale = e->m->attn_scale, slack = e->core_slack / scale;
 #define SC(h, q) (sc + ((size_t)(q) * H + (h)) * CH)
 #define ML(h, q) (run + ((size_t)(q) * H + (h)) * 2)
 #define LATENT(h, q) (s->ctx + ((size_t)(r0 + (q)) * H + (h)) * R)
@@ -6650,6 +6651,7 @@ int cm384_engine_create(const cm384_model *m, const cm384_config *cfg, cm384_eng
     pthread_cond_init(&e->cv_work, NULL);
     pthread_cond_init(&e->cv_done, NULL);
     e->k = gl_kernels_get();
+    e->core_slack = CORE_SLACK;
     e->n_workers = c.n_workers;
     e->max_ctx = c.max_ctx;
     e->step_cap = c.prefill_chunk > 2 * c.max_batch ? c.prefill_chunk : 2 * c.max_batch;
