@@ -51,6 +51,25 @@ X86_Q8_INLINE void X86_Q8(tile_q8)(const gl_mat *w, int r, int nr, const int8_t 
             for (int k = 0; k < nr; k++) acc[k][t] = X86_Q8_MAC(acc[k][t], wa[k], wv[k], xv, ones);
         }
     }
+    if (nr == 2 && nt == 4) {
+        /* the 8 sums at once (exact in int32, so any order gives the same
+           bits): hadd pairs the tokens' lanes, then the two 128-bit halves
+           are added; then (float)sum * wscale * xscale, four tokens a row */
+        const __m256i h0 = _mm256_hadd_epi32(acc[0][0], acc[0][1]), h1 = _mm256_hadd_epi32(acc[0][2], acc[0][3]);
+        const __m256i h2 = _mm256_hadd_epi32(acc[1][0], acc[1][1]), h3 = _mm256_hadd_epi32(acc[1][2], acc[1][3]);
+        const __m256i g0 = _mm256_hadd_epi32(h0, h1), g1 = _mm256_hadd_epi32(h2, h3);
+        const __m128i s0 = _mm_add_epi32(_mm256_castsi256_si128(g0), _mm256_extracti128_si256(g0, 1));
+        const __m128i s1 = _mm_add_epi32(_mm256_castsi256_si128(g1), _mm256_extracti128_si256(g1, 1));
+        const __m128 vx = _mm_loadu_ps(xs);
+        float o[2][4];
+        _mm_storeu_ps(o[0], _mm_mul_ps(_mm_mul_ps(_mm_cvtepi32_ps(s0), _mm_set1_ps(w->scale[r])), vx));
+        _mm_storeu_ps(o[1], _mm_mul_ps(_mm_mul_ps(_mm_cvtepi32_ps(s1), _mm_set1_ps(w->scale[r + 1])), vx));
+        for (int t = 0; t < 4; t++) {
+            y[(size_t)t * ldy + r] = o[0][t];
+            y[(size_t)t * ldy + r + 1] = o[1][t];
+        }
+        return;
+    }
 #pragma GCC unroll 4
     for (int t = 0; t < nt; t++)
 #pragma GCC unroll 4
