@@ -49,27 +49,31 @@ run: $(B)/cm384
 	./$(B)/cm384 run -m $(MODEL) -p "$(PROMPT)" -n $(NTOK) --temp 0.8 --top-p 0.95 --seed 1 --mtp --report
 
 # ---- tests ----
-# Each test program includes cm384.c (to reach internals) and prints
-# "name: N passed, N failed"; tests/run.sh sums them.
+# The test areas (tests/test_*.c) include cm384.c to reach internals and are
+# compiled together with it into one program per configuration (tests/main.c),
+# so the library is compiled once for plain, once for ASan+UBSan and once for
+# TSan.  `build/cm384_tests AREA` runs one area; tests/run.sh runs them all and
+# sums their "name: N passed, N failed" lines.
 
-TESTS      := tokenizer kernels golden loader engine alloc model api
-ASAN_TESTS := tokenizer kernels golden loader engine model api
-TSAN_TESTS := engine kernels
-SAN        := -O1 -g -fno-omit-frame-pointer
+TEST_SRC := tests/main.c tests/test.h $(wildcard tests/test_*.c)
+SAN      := -O1 -g -fno-omit-frame-pointer
+# the alloc area counts allocations through GNU ld's --wrap
+ifeq ($(shell uname -s),Linux)
+TEST_WRAP := -Wl,--wrap=malloc,--wrap=calloc,--wrap=realloc
+else
+TEST_WRAP := -DCM384_TEST_NO_WRAP
+endif
 
-$(B)/test_%: tests/test_%.c tests/test.h $(SRC) | $(B)
-	$(CC) $(CFLAGS) $< -o $@ $(LDLIBS)
+$(B)/cm384_tests: $(TEST_SRC) $(SRC) | $(B)
+	$(CC) $(CFLAGS) tests/main.c -o $@ $(LDLIBS) $(TEST_WRAP)
 
-$(B)/test_alloc: tests/test_alloc.c tests/test.h $(SRC) | $(B)
-	$(CC) $(CFLAGS) $< -o $@ $(LDLIBS) -Wl,--wrap=malloc,--wrap=calloc,--wrap=realloc
+$(B)/asan/cm384_tests: $(TEST_SRC) $(SRC) | $(B)/asan
+	$(CC) -std=c11 -Wall -Wextra -pthread $(SAN) -fsanitize=address,undefined -fno-sanitize-recover=undefined tests/main.c -o $@ $(LDLIBS) $(TEST_WRAP)
 
-$(B)/asan/test_%: tests/test_%.c tests/test.h $(SRC) | $(B)/asan
-	$(CC) -std=c11 -Wall -Wextra -pthread $(SAN) -fsanitize=address,undefined -fno-sanitize-recover=undefined $< -o $@ $(LDLIBS)
+$(B)/tsan/cm384_tests: $(TEST_SRC) $(SRC) | $(B)/tsan
+	$(CC) -std=c11 -Wall -Wextra -pthread $(SAN) -fsanitize=thread tests/main.c -o $@ $(LDLIBS) $(TEST_WRAP)
 
-$(B)/tsan/test_%: tests/test_%.c tests/test.h $(SRC) | $(B)/tsan
-	$(CC) -std=c11 -Wall -Wextra -pthread $(SAN) -fsanitize=thread $< -o $@ $(LDLIBS)
-
-test-bins: all $(TESTS:%=$(B)/test_%) $(ASAN_TESTS:%=$(B)/asan/test_%) $(TSAN_TESTS:%=$(B)/tsan/test_%)
+test-bins: all $(B)/cm384_tests $(B)/asan/cm384_tests $(B)/tsan/cm384_tests
 
 test: test-bins
 	@B=$(B) MODEL=$(MODEL) CC="$(CC)" sh tests/run.sh

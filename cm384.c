@@ -12,6 +12,8 @@
  * The tensor kernels live in ggml_like/ and are included here, so that
  * `cc -c cm384.c` builds the whole library.
  */
+#ifndef CM384_C_INCLUDED      /* the test program includes it from several test files */
+#define CM384_C_INCLUDED
 #if !defined(_GNU_SOURCE)
 #define _GNU_SOURCE
 #endif
@@ -7073,3 +7075,4 @@ int cm384_chat_render(const cm384_model *m, const cm384_chat_msg *msgs, int n, u
         if (!msgs[i].role) return fail(CM384_E_INVALID, "cm384_chat_render: message %d has no role", i);
     return chat_render(m->tok, msgs, n, flags, out, cap);
 }
+#endif /* CM384_C_INCLUDED */

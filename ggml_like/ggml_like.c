@@ -1,5 +1,7 @@
 /* ggml_like.c -- portable kernels, kernel-set selection and the worker pool.
  * Included by cm384.c (one translation unit); also compiles on its own. */
+#ifndef GGML_LIKE_C_INCLUDED
+#define GGML_LIKE_C_INCLUDED
 #include "ggml_like.h"
 
 #include <math.h>
@@ -550,3 +552,4 @@ static void gl_pool_region(gl_pool *p, int n_tasks, gl_task_fn fn, void *ctx, in
         pthread_mutex_unlock(&p->mu);
     }
 }
+#endif /* GGML_LIKE_C_INCLUDED */

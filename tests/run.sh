@@ -32,20 +32,21 @@ step() {  # step NAME COMMAND...
 }
 
 # unit and golden tests
+T="$B/cm384_tests"
 for t in tokenizer kernels golden loader engine alloc model api; do
-    step "$t" "$B/test_$t"
+    step "$t" "$T" $t
 done
 
 # the same under AddressSanitizer + UndefinedBehaviorSanitizer
 for t in tokenizer kernels golden loader api; do
-    step "asan+ubsan $t" env ASAN_OPTIONS=detect_leaks=1 "$B/asan/test_$t"
+    step "asan+ubsan $t" env ASAN_OPTIONS=detect_leaks=1 "$B/asan/cm384_tests" $t
 done
-step "asan+ubsan model" env CM384_QUICK=1 ASAN_OPTIONS=detect_leaks=1 "$B/asan/test_model"
-step "asan+ubsan engine" env CM384_QUICK=1 ASAN_OPTIONS=detect_leaks=1 "$B/asan/test_engine"
+step "asan+ubsan model" env CM384_QUICK=1 ASAN_OPTIONS=detect_leaks=1 "$B/asan/cm384_tests" model
+step "asan+ubsan engine" env CM384_QUICK=1 ASAN_OPTIONS=detect_leaks=1 "$B/asan/cm384_tests" engine
 
 # threaded tests under ThreadSanitizer
-step "tsan engine" env CM384_QUICK=1 TSAN_OPTIONS="halt_on_error=1" "$B/tsan/test_engine"
-step "tsan kernels (pool)" env CM384_QUICK=1 TSAN_OPTIONS="halt_on_error=1" "$B/tsan/test_kernels"
+step "tsan engine" env CM384_QUICK=1 TSAN_OPTIONS="halt_on_error=1" "$B/tsan/cm384_tests" engine
+step "tsan kernels (pool)" env CM384_QUICK=1 TSAN_OPTIONS="halt_on_error=1" "$B/tsan/cm384_tests" kernels
 
 # the trained default model: cm384 perplexity reproduces the trainer's validation loss
 expect=$(sed -n 's/.*"val_loss": *\([0-9.]*\).*/\1/p' models/shakespeare/reference.json | head -n 1)

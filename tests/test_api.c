@@ -289,7 +289,7 @@ static void observability(cm384_model *m) {
     cm384_engine_free(e);
 }
 
-int main(void) {
+TEST_MAIN(api) {
     paper_v3();
     sampling();
     cm384_model *m;

@@ -487,7 +487,7 @@ static void trace(cm384_model *m) {
     unlink(path);
 }
 
-int main(void) {
+TEST_MAIN(engine) {
     quick = getenv("CM384_QUICK") != NULL;
     /* the fixture with a longer context */
     char dir[] = "/tmp/cm384-test-engine-XXXXXX";

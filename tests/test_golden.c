@@ -314,7 +314,7 @@ static void check_v2(const char *dir) {
     arena_free(&a);
 }
 
-int main(void) {
+TEST_MAIN(golden) {
     int r = json_load_file(FIX "/reference.json", &A, &ref);
     if (r || file_map_open(&bin, FIX "/reference.bin", 1)) {
         printf("cannot read the fixture: %s\n", cm384_last_error());

@@ -14,12 +14,12 @@
 #include <stdio.h>
 #include <time.h>
 
-static int n_passed, n_failed;
+static int kern_passed, kern_failed;
 
 static void check(int ok, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static void check(int ok, const char *fmt, ...) {
-    if (ok) { n_passed++; return; }
-    n_failed++;
+    if (ok) { kern_passed++; return; }
+    kern_failed++;
     va_list ap;
     va_start(ap, fmt);
     printf("FAIL: ");
@@ -643,7 +643,11 @@ static void test_pool(int threads) {
     free(count);
 }
 
+#ifdef CM384_TEST_ALL
+int test_main_kernels(int argc, char **argv) {
+#else
 int main(int argc, char **argv) {
+#endif
     if (argc > 1) rng_state = strtoull(argv[1], NULL, 0) | 1;   /* another seed: other random shapes and data */
     const gl_kernels *sets[8];
     int n_sets = gl_kernels_all(sets, 8);
@@ -679,6 +683,6 @@ int main(int argc, char **argv) {
     }
     gl_pool_free(pool2);
     gl_pool_free(pool4);
-    printf("kernels: %d passed, %d failed\n", n_passed, n_failed);
-    return n_failed ? 1 : 0;
+    printf("kernels: %d passed, %d failed\n", kern_passed, kern_failed);
+    return kern_failed ? 1 : 0;
 }

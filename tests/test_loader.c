@@ -11,7 +11,7 @@
 
 static char tmp_root[256];
 
-static int read_all(const char *path, uint8_t **data, size_t *size) {
+static int ld_read_all(const char *path, uint8_t **data, size_t *size) {
     FILE *f = fopen(path, "rb");
     if (!f) return -1;
     fseek(f, 0, SEEK_END);
@@ -23,7 +23,7 @@ static int read_all(const char *path, uint8_t **data, size_t *size) {
     return 0;
 }
 
-static void write_all(const char *path, const void *data, size_t size) {
+static void ld_write_all(const char *path, const void *data, size_t size) {
     FILE *f = fopen(path, "wb");
     if (!f) { perror(path); exit(1); }
     fwrite(data, 1, size, f);
@@ -43,7 +43,7 @@ static const char *fresh_copy(const char *name) {
         snprintf(src, sizeof src, "%s/%s", FIX, de->d_name);
         snprintf(dst, sizeof dst, "%s/%s", dir, de->d_name);
         uint8_t *data; size_t n;
-        if (read_all(src, &data, &n) == 0) { write_all(dst, data, n); free(data); }
+        if (ld_read_all(src, &data, &n) == 0) { ld_write_all(dst, data, n); free(data); }
     }
     closedir(d);
     return dir;
@@ -55,7 +55,7 @@ static void file_in(char *out, size_t cap, const char *dir, const char *name) { 
  * data bytes: the header length field is rewritten. */
 static void edit_header(const char *path, const char *from, const char *to) {
     uint8_t *d; size_t n;
-    read_all(path, &d, &n);
+    ld_read_all(path, &d, &n);
     uint64_t hl = 0;
     for (int i = 7; i >= 0; i--) hl = (hl << 8) | d[i];
     char *h = malloc(hl + 1);
@@ -82,7 +82,7 @@ static void edit_header(const char *path, const char *from, const char *to) {
 
 static void replace_in_file(const char *path, const char *from, const char *to) {
     uint8_t *d; size_t n;
-    read_all(path, &d, &n);
+    ld_read_all(path, &d, &n);
     d[n] = 0;
     char *at = strstr((char *)d, from);
     if (!at) { printf("replace_in_file: %s not found in %s\n", from, path); exit(1); }
@@ -221,8 +221,8 @@ static void make_fp8_pair(const char *dir8, const char *dir32) {
     snprintf(p, sizeof p, "%s/model.safetensors", dir8); write_safetensors(p, o8, n8);
     snprintf(p, sizeof p, "%s/model.safetensors", dir32); write_safetensors(p, o32, n32);
     uint8_t *cfg; size_t cn;
-    read_all(FIX "/config.json", &cfg, &cn);
-    snprintf(p, sizeof p, "%s/config.json", dir32); write_all(p, cfg, cn);
+    ld_read_all(FIX "/config.json", &cfg, &cn);
+    snprintf(p, sizeof p, "%s/config.json", dir32); ld_write_all(p, cfg, cn);
     cfg[cn] = 0;
     /* the fp8 config carries quantization_config as DeepSeek-V3 ships it */
     char *brace = strrchr((char *)cfg, '}');
@@ -230,7 +230,7 @@ static void make_fp8_pair(const char *dir8, const char *dir32) {
     char *c8 = malloc(cn + 256);
     snprintf(c8, cn + 256, "%s,\n  \"quantization_config\": {\"activation_scheme\": \"dynamic\", \"fmt\": \"e4m3\", "
              "\"quant_method\": \"fp8\", \"weight_block_size\": [128, 128]}\n}\n", (char *)cfg);
-    snprintf(p, sizeof p, "%s/config.json", dir8); write_all(p, c8, strlen(c8));
+    snprintf(p, sizeof p, "%s/config.json", dir8); ld_write_all(p, c8, strlen(c8));
     free(c8); free(cfg);
     for (int i = 0; i < n8; i++) free(o8[i].data);
     for (int i = 0; i < n32; i++) free(o32[i].data);
@@ -247,7 +247,7 @@ static int on_progress(void *user, const char *stage, uint64_t done, uint64_t to
     return user && done * 2 > total;          /* cancel half-way when asked */
 }
 
-int main(void) {
+TEST_MAIN(loader) {
     snprintf(tmp_root, sizeof tmp_root, "/tmp/cm384-test-loader-XXXXXX");
     if (!mkdtemp(tmp_root)) { perror("mkdtemp"); return 1; }
     char p[768];
@@ -314,10 +314,10 @@ int main(void) {
     file_in(p, sizeof p, d, "model-00002-of-00002.safetensors");
     {
         uint8_t *data; size_t n;
-        read_all(p, &data, &n);
+        ld_read_all(p, &data, &n);
         uint64_t big = (uint64_t)n * 4;
         for (int i = 0; i < 8; i++) data[i] = (uint8_t)(big >> (8 * i));
-        write_all(p, data, n);
+        ld_write_all(p, data, n);
         free(data);
     }
     expect("header length past end of file", d, CM384_E_FORMAT, "past the end");
@@ -351,7 +351,7 @@ int main(void) {
     expect("truncated tokenizer.json", d, CM384_E_FORMAT, "tokenizer.json");
 
     snprintf(p, sizeof p, "%s/model.gguf", tmp_root);
-    write_all(p, "GGUF", 4);
+    ld_write_all(p, "GGUF", 4);
     expect("a GGUF file", p, CM384_E_UNSUPPORTED, "GGUF");
 
     /* NULL and bad arguments */

@@ -19,7 +19,7 @@ static file_map bin;
 
 static const float *arr(const json *rec) { return (const float *)(bin.data + (size_t)json_num(rec, "offset", 0)); }
 
-static int argmax(const float *x, int n) {
+static int model_argmax(const float *x, int n) {
     int b = 0;
     for (int i = 1; i < n; i++) if (x[i] > x[b]) b = i;
     return b;
@@ -33,7 +33,7 @@ static double logsumexp(const float *x, int n) {
     return mx + log(z);
 }
 
-static int collect(void *user, const cm384_event *ev) {
+static int model_collect(void *user, const cm384_event *ev) {
     int *out = user;
     if (ev->kind == CM384_EV_TOKEN && out[0] < 63) out[1 + out[0]++] = ev->token;
     return 0;
@@ -44,7 +44,7 @@ static int cmp_float(const void *a, const void *b) {
     return (x > y) - (x < y);
 }
 
-static cm384_engine *engine(cm384_model *m, int int8) {
+static cm384_engine *model_engine(cm384_model *m, int int8) {
     cm384_config c;
     cm384_config_init(&c);
     c.n_workers = 2; c.int8 = int8; c.int8_dispatch = int8; c.max_ctx = 512;
@@ -65,7 +65,7 @@ static void validation(cm384_engine *e, const int32_t *ids, int n, double *loss,
         cm384_eval(e, ids + w0, wn, lg, ml);
         for (int j = 0; j + 1 < wn; j++, scored++)
             nll += logsumexp(lg + (size_t)j * V, V) - lg[(size_t)j * V + ids[w0 + j + 1]];
-        for (int j = 0; j + 2 < wn; j++, mtp_n++) mtp_ok += argmax(ml + (size_t)j * V, V) == ids[w0 + j + 2];
+        for (int j = 0; j + 2 < wn; j++, mtp_n++) mtp_ok += model_argmax(ml + (size_t)j * V, V) == ids[w0 + j + 2];
     }
     *loss = nll / (double)scored;
     *mtp_acc = (double)mtp_ok / (double)mtp_n;
@@ -73,7 +73,7 @@ static void validation(cm384_engine *e, const int32_t *ids, int n, double *loss,
     free(ml);
 }
 
-int main(void) {
+TEST_MAIN(model) {
     if (getenv("CM384_QUICK")) printf("quick mode: the validation-set checks run in the plain build only\n");
     if (json_load_file(DIR "/reference.json", &A, &ref) || file_map_open(&bin, DIR "/reference.bin", 1)) {
         printf("cannot read %s/reference.*: %s\n", DIR, cm384_last_error());
@@ -83,7 +83,7 @@ int main(void) {
     int r = cm384_model_load(DIR, NULL, &m);
     CHECK(r == CM384_OK, "load: %s", cm384_last_error());
     if (r) return test_summary("model");
-    cm384_engine *e = engine(m, 0), *q = engine(m, 1);
+    cm384_engine *e = model_engine(m, 0), *q = model_engine(m, 1);
     const int V = 1024;
 
     printf("reference sequences (the trainer's fp32 forward of the exported bf16 weights):\n");
@@ -115,7 +115,7 @@ int main(void) {
         /* INT8 against fp32 on the same positions */
         for (int t = 0; t < n; t++) {
             const float *a = lg + (size_t)t * V, *b = l8 + (size_t)t * V;
-            agree8 += argmax(a, V) == argmax(b, V);
+            agree8 += model_argmax(a, V) == model_argmax(b, V);
             double za = logsumexp(a, V), zb = logsumexp(b, V), kl = 0;
             for (int v = 0; v < V; v++) { double pa = exp(a[v] - za); kl += pa * ((a[v] - za) - (b[v] - zb)); }
             kl8 += kl;
@@ -141,7 +141,7 @@ int main(void) {
         cm384_engine *em;
         cm384_engine_create(m, &c, &em);
         int out[64] = {0};
-        int st = cm384_generate(em, NULL, ids, p->len, &s, collect, out);
+        int st = cm384_generate(em, NULL, ids, p->len, &s, model_collect, out);
         int same = st == CM384_OK && out[0] == g->len;
         for (int t = 0; same && t < g->len; t++) same = out[1 + t] == (int)g->kids[t].num;
         cm384_engine_free(em);

@@ -18,7 +18,7 @@
  */
 #include "../cm384.c"
 
-static int n_passed, n_failed;
+static int tok_passed, tok_failed;
 
 static void result(int ok, const char *fmt, ...)
 #if defined(__GNUC__)
@@ -26,8 +26,8 @@ static void result(int ok, const char *fmt, ...)
 #endif
     ;
 static void result(int ok, const char *fmt, ...) {
-    if (ok) { n_passed++; return; }
-    n_failed++;
+    if (ok) { tok_passed++; return; }
+    tok_failed++;
     va_list ap;
     va_start(ap, fmt);
     printf("FAIL ");
@@ -143,7 +143,7 @@ static void run_cases(const char *dir, const char *name, const tokenizer *t) {
             result(0, "%s case %d (%s) ids: got %d ids, want %d, first difference at id %d (got %d, want %d)",
                    name, id, ast ? "with BOS" : "no BOS", ng, nw, d,
                    d >= 0 && d < ng ? got_ids[d] : -1, d >= 0 && d < nw ? want_ids[d] : -1);
-        } else n_passed++;
+        } else tok_passed++;
 
         /* decode of the expected ids */
         int nd = tokenizer_decode(t, want_ids, nw, text_buf, sizeof text_buf);
@@ -152,7 +152,7 @@ static void run_cases(const char *dir, const char *name, const tokenizer *t) {
             ok = 0;
             result(0, "%s case %d (%s) decode: got %d bytes, want %d, first difference at byte %ld",
                    name, id, ast ? "with BOS" : "no BOS", nd, decoded->len, bd);
-        } else n_passed++;
+        } else tok_passed++;
 
         /* streaming decode, one id at a time */
         if (!has_invalid_utf8(decoded->str, (size_t)decoded->len)) {
@@ -163,7 +163,7 @@ static void run_cases(const char *dir, const char *name, const tokenizer *t) {
                 ok = 0;
                 result(0, "%s case %d (%s) stream: status %d, got %zu bytes, want %d, first difference at byte %ld",
                        name, id, ast ? "with BOS" : "no BOS", r, ns, decoded->len, sd);
-            } else n_passed++;
+            } else tok_passed++;
         }
         lines_ok += ok;
     }
@@ -227,7 +227,7 @@ static void run_chat(const char *dir, const char *name, const tokenizer *t) {
             ok = 0;
             result(0, "%s chat %s render: got %d bytes, want %d, first difference at byte %ld",
                    name, cname, nr, rendered->len, bd);
-        } else n_passed++;
+        } else tok_passed++;
         /* the snprintf convention: a short buffer still reports the full length */
         char small[8];
         int ns = chat_render(t, m, msgs->len, flags, small, sizeof small);
@@ -239,7 +239,7 @@ static void run_chat(const char *dir, const char *name, const tokenizer *t) {
             if (ng < 0 || d >= 0) {
                 ok = 0;
                 result(0, "%s chat %s ids: got %d ids, want %d, first difference at id %d", name, cname, ng, nw, d);
-            } else n_passed++;
+            } else tok_passed++;
         }
         lines_ok += ok;
         for (int i = 0; i < msgs->len; i++) free((void *)m[i].tool_calls);
@@ -717,7 +717,11 @@ static void run_benchmark(const char *dir, const tokenizer *t) {
     free(all);
 }
 
+#ifdef CM384_TEST_ALL
+int test_main_tokenizer(int argc, char **argv) {
+#else
 int main(int argc, char **argv) {
+#endif
     const char *dir = argc > 1 ? argv[1] : "tests/fixtures";
     char p1[1024], p2[1024];
     snprintf(p1, sizeof p1, "%s/tokenizer/tokenizer.json", dir);
@@ -745,6 +749,6 @@ int main(int argc, char **argv) {
     if (tok[0]) run_benchmark(dir, tok[0]);
     tokenizer_free(tok[0]);
     tokenizer_free(tok[1]);
-    printf("tokenizer: %d passed, %d failed\n", n_passed, n_failed);
-    return n_failed ? 1 : 0;
+    printf("tokenizer: %d passed, %d failed\n", tok_passed, tok_failed);
+    return tok_failed ? 1 : 0;
 }
