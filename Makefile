@@ -73,7 +73,7 @@ $(B)/asan/cm384_tests: $(TEST_SRC) $(SRC) | $(B)/asan
 $(B)/tsan/cm384_tests: $(TEST_SRC) $(SRC) | $(B)/tsan
 	$(CC) -std=c11 -Wall -Wextra -pthread $(SAN) -fsanitize=thread tests/main.c -o $@ $(LDLIBS) $(TEST_WRAP)
 
-test-bins: all $(B)/cm384_tests $(B)/asan/cm384_tests $(B)/tsan/cm384_tests
+test-bins: all $(B)/gen_synth $(B)/cm384_tests $(B)/asan/cm384_tests $(B)/tsan/cm384_tests
 
 test: test-bins
 	@B=$(B) MODEL=$(MODEL) CC="$(CC)" sh tests/run.sh

@@ -76,6 +76,7 @@ const char *cm384_strerror(int status) {
     case CM384_E_MISUSE:      return "CM384_E_MISUSE: call not allowed in this state";
     case CM384_E_INTERNAL:    return "CM384_E_INTERNAL: internal error";
     case CM384_E_NOT_FOUND:   return "CM384_E_NOT_FOUND: no such request";
+    case CM384_E_TIMEOUT:     return "CM384_E_TIMEOUT: timed out";
     default:                  return "unknown status";
     }
 }
@@ -3735,6 +3736,7 @@ int cm384_model_get_info(const cm384_model *m, cm384_model_info *out) {
     static const char *names[] = {"F32", "F16", "BF16", "F8_E4M3", "INT8"};
     snprintf(info.weight_dtype, sizeof info.weight_dtype, "%s",
              m->tokenizer_only ? "" : names[m->main_dtype]);
+    info.struct_size = sz;              /* what the caller's struct holds of it */
     memcpy(out, &info, sz);
     out->struct_size = sz;
     return CM384_OK;
@@ -3988,6 +3990,7 @@ typedef struct region {
     int        n_groups, cap, n_tasks;
     struct cm384_engine *e;
     const char *name; int layer, mb;     /* label for groups added next     */
+    const char *broken;        /* an invariant broke: why (see region_break)     */
 } region;
 
 static uint64_t now_ns(void) {
@@ -3998,12 +4001,19 @@ static uint64_t now_ns(void) {
 
 static int region_groups(const region *rg) { return rg->n_groups; }
 
+/* An invariant of the engine broke (a bug: buffers sized at creation proved
+ * too small).  Nothing is aborted: the region stops taking work, and whoever
+ * ran the step fails its requests with CM384_E_INTERNAL (step_failed,
+ * cm384_eval), then clears it. */
+static void region_break(region *rg, const char *why) {
+    if (!rg->broken) rg->broken = why;
+}
+
 static void region_add(region *rg, task_fn fn, void *ctx, int arg, int n, int device) {
-    if (n <= 0) return;
-    if (rg->n_groups == rg->cap) {
-        /* sized at engine creation for the worst case; reaching this is a bug */
-        fprintf(stderr, "cm384: internal error: region overflow (%d groups)\n", rg->cap);
-        abort();
+    if (n <= 0 || rg->broken) return;
+    if (rg->n_groups == rg->cap) {       /* sized at engine creation for the worst case */
+        region_break(rg, "a parallel region has more task groups than it was sized for");
+        return;
     }
     rg_group *g = &rg->g[rg->n_groups++];
     g->fn = fn; g->ctx = ctx; g->arg = arg; g->n = n; g->device = device; g->first = rg->n_tasks;
@@ -4154,7 +4164,7 @@ static void scratch_carve(carver *c, fwd_scratch *s, const hparams *hp, int cap,
     s->entry_count = carve(c, ((size_t)n_entries + 1) * sizeof(int));
     s->entry_first = carve(c, ((size_t)n_entries + 2) * sizeof(int));
     s->n_jobs_cap = n_jobs;
-    s->jobs = carve(c, (size_t)n_jobs * sizeof(mm_job));
+    s->jobs = carve(c, ((size_t)n_jobs + 1) * sizeof(mm_job));      /* + op_job's spare */
     s->hsel = F(C * D);
     s->sel = carve(c, C * sizeof(int));
     s->xnq = carve(c, C * D); s->xns = F(C);
@@ -4232,9 +4242,11 @@ struct cm384_engine {
     float            *blk_h;                 /* [blocks][dim] h at each block's end (MTP) */
     /* trace */
     FILE             *trace;
-    trace_event      *tev;
+    trace_event      *tev;                   /* buffered, streamed to the file when full */
     int               n_tev, cap_tev;
     uint64_t          t_origin;
+    unsigned char    *trace_named;           /* [n_dev] device track already named */
+    uint64_t          trace_written, trace_lost;   /* events; lost = the file refused them */
     /* scheduler (section 11) */
     pthread_mutex_t   mu;
     pthread_cond_t    cv_work, cv_done;
@@ -4286,6 +4298,8 @@ static void region_task_device(void *ctx, int w, int worker) {
             for (int t = 0; t < rg->g[i].n; t++) region_task(rg, rg->g[i].first + t, worker);
 }
 
+static void trace_flush(struct cm384_engine *e);
+
 static void region_run(region *rg) {
     struct cm384_engine *e = rg->e;
     if (rg->n_tasks > 0 && e->pinned) gl_pool_run_pinned(e->pool_threads, region_task_device, rg);
@@ -4293,7 +4307,8 @@ static void region_run(region *rg) {
     if (e->trace) {
         for (int i = 0; i < rg->n_groups; i++) {
             rg_group *g = &rg->g[i];
-            for (int k = 0; k < (g->split ? g->n_split : 1) && e->n_tev < e->cap_tev; k++) {
+            for (int k = 0; k < (g->split ? g->n_split : 1); k++) {
+                if (e->n_tev == e->cap_tev) trace_flush(e);
                 trace_event *ev = &e->tev[e->n_tev++];
                 ev->device = g->split ? dev_group_device(g->split, k) : g->device;
                 ev->layer = g->layer; ev->mb = g->mb; ev->name = g->name;
@@ -4388,7 +4403,13 @@ typedef struct op {
 
 static mm_job *op_job(op *o) {
     fwd_scratch *s = o->mb->s;
-    if (o->n_jobs >= s->n_jobs_cap) { fprintf(stderr, "cm384: internal error: job overflow\n"); abort(); }
+    if (o->n_jobs >= s->n_jobs_cap) {
+        /* a bug (the jobs are sized at engine creation): hand back a spare job
+           that region_add will refuse, and fail the step */
+        region_break(&o->e->rg, "a layer needs more matrix jobs than its scratch was sized for");
+        o->n_jobs = s->n_jobs_cap;
+        return &s->jobs[s->n_jobs_cap];
+    }
     mm_job *jb = &s->jobs[o->n_jobs++];
     memset(jb, 0, sizeof *jb);
     jb->k = o->e->k;
@@ -5322,19 +5343,18 @@ static void eplb_rebalance(struct cm384_engine *e, const uint64_t *load_since) {
 /* ---- INT8 W8A8 weights: made once per model, shared by its engines ---- */
 
 typedef struct q8_job { const gl_mat *src; gl_mat *dst; int first; } q8_job;
-typedef struct q8_ctx { q8_job *jobs; int n; } q8_ctx;
+typedef struct q8_ctx { q8_job *jobs; int n; float *rows; size_t row_cap; } q8_ctx;
 
 #define Q8_ROWS 64
 
 static void t_quantize_weight(void *ctx, int t, int worker) {
-    (void)worker;
     q8_ctx *q = ctx;
     int lo = 0, hi = q->n - 1;
     while (lo < hi) { int mid = (lo + hi + 1) / 2; if (q->jobs[mid].first <= t) lo = mid; else hi = mid - 1; }
     const q8_job *j = &q->jobs[lo];
     int r0 = (t - j->first) * Q8_ROWS, r1 = r0 + Q8_ROWS;
     if (r1 > j->src->rows) r1 = j->src->rows;
-    gl_quantize_weight_q8(j->src, (int8_t *)j->dst->data, (float *)j->dst->scale, r0, r1);
+    gl_quantize_weight_q8(j->src, (int8_t *)j->dst->data, (float *)j->dst->scale, r0, r1, q->rows + (size_t)worker * q->row_cap);
 }
 
 static int model_make_q8(cm384_model *m, gl_pool *pool) {
@@ -5385,11 +5405,17 @@ static int model_make_q8(cm384_model *m, gl_pool *pool) {
     }
     ADD(&m->head, &m->q8_head);
 #undef ADD
+    size_t row_cap = 0;
+    for (int i = 0; i < n; i++) if ((size_t)jobs[i].src->cols > row_cap) row_cap = (size_t)jobs[i].src->cols;
+    float *rows = NULL;
+    if (!r && !(rows = CM384_MALLOC((size_t)gl_pool_size(pool) * row_cap * sizeof(float) + 1)))
+        r = fail(CM384_E_NOMEM, "out of memory for INT8 weights");
     if (!r) {
-        q8_ctx ctx = {jobs, n};
+        q8_ctx ctx = {jobs, n, rows, row_cap};
         gl_pool_run(pool, tasks, t_quantize_weight, &ctx);
         m->q8 = q8;
     }
+    CM384_FREE(rows);
     CM384_FREE(jobs);
     pthread_mutex_unlock(&m->q8_mu);
     return r;
@@ -5555,8 +5581,8 @@ static int cand_cmp(const void *a, const void *b) {
 static int sample_token(const float *logits, int V, const cm384_sampling *sp, uint64_t *rng, cand *c) {
     int best = 0;
     for (int i = 1; i < V; i++) if (logits[i] > logits[best]) best = i;
-    if (sp->temperature <= 0) return best;
-    float mx = logits[best], inv_t = 1.0f / sp->temperature;
+    float mx = logits[best], inv_t = sp->temperature > 0 ? 1.0f / sp->temperature : 0;
+    if (!(inv_t > 0) || isinf(inv_t) || !isfinite(mx)) return best;   /* greedy, or nothing to draw from */
     int n = 0;
     for (int i = 0; i < V; i++) {
         float p = expf((logits[i] - mx) * inv_t);
@@ -5592,6 +5618,7 @@ static int sample_token(const float *logits, int V, const cm384_sampling *sp, ui
             }
         }
     }
+    if (keep < 1) return best;                     /* the best token (p = 1) always passes a floor <= 1 */
     qsort(c, (size_t)keep, sizeof *c, cand_cmp);
     if (sp->top_k > 0 && keep > sp->top_k) keep = sp->top_k;
     double sum = 0;
@@ -6110,6 +6137,22 @@ static int ensure_blocks(struct cm384_engine *e, request *r, int pos) {
     return 0;
 }
 
+/* A step whose work broke (region_break) fails its requests with
+ * CM384_EV_ERROR before anything computed in it is sampled or cached. */
+static int step_failed(struct cm384_engine *e, request **rq, int nr) {
+    if (!e->rg.broken) return 0;
+    engine_log(e, 2, "internal error: %s; the step's %d request%s fail with CM384_E_INTERNAL",
+               e->rg.broken, nr, nr == 1 ? "" : "s");
+    for (int i = 0; i < nr; i++) {
+        request *r = rq[i];
+        r->n_computed = r->n_hashed * e->kv.block_tokens;     /* nothing of this step reaches the cache */
+        run_remove(e->sched, r);
+        finish(e, r, CM384_EV_ERROR, CM384_E_INTERNAL);
+    }
+    e->rg.broken = NULL;
+    return 1;
+}
+
 static void prefill_step(struct cm384_engine *e) {
     sched *S = e->sched;
     request *rq[1024];
@@ -6128,6 +6171,7 @@ static void prefill_step(struct cm384_engine *e) {
     if (!nr) return;
     double t0 = now_ms();
     run_phase(e, rq, cnt, nr, PHASE_PREFILL);
+    if (step_failed(e, rq, nr)) return;
     request *done_rq[1024];
     int nd = 0;
     for (int i = 0; i < nr; i++) {
@@ -6139,6 +6183,7 @@ static void prefill_step(struct cm384_engine *e) {
     sample_rows(e, done_rq, nd);
     for (int i = 0; i < nd; i++) done_rq[i]->tokens[done_rq[i]->n_tokens] = done_rq[i]->sampled;   /* t_P for MTP */
     if (e->mtp) mtp_step(e, rq, first, nr, PHASE_PREFILL);
+    if (step_failed(e, rq, nr)) return;
     S->st.prefill_seconds += (now_ms() - t0) / 1e3;
     for (int i = 0; i < nd; i++) {
         request *r = done_rq[i];
@@ -6172,6 +6217,7 @@ static void decode_step(struct cm384_engine *e) {
     if (!nr) return;
     double t0 = now_ms();
     run_phase(e, rq, cnt, nr, PHASE_DECODE);
+    if (step_failed(e, rq, nr)) return;
     sample_rows(e, rq, nr);
     for (int i = 0; i < nr; i++) {
         request *r = rq[i];
@@ -6184,6 +6230,7 @@ static void decode_step(struct cm384_engine *e) {
         }
     }
     if (e->mtp) mtp_step(e, rq, first, nr, PHASE_DECODE);
+    if (step_failed(e, rq, nr)) return;
     double dt = now_ms() - t0;
     S->st.decode_seconds += dt / 1e3;
     if (e->cfg.tpot_target_ms > 0) {                /* SLO: shrink or grow the batch */
@@ -6320,6 +6367,7 @@ int cm384_get_stats(cm384_engine *e, cm384_stats *out) {
     st.n_prefill_devices = e->n_pre;
     st.n_attn_devices = e->n_attn;
     st.n_expert_devices = n_exp;
+    st.struct_size = sz;
     memcpy(out, &st, sz);
     out->struct_size = sz;
     return CM384_OK;
@@ -6387,6 +6435,9 @@ void cm384_reset_stats(cm384_engine *e) {
     for (size_t i = 0; i < (size_t)e->n_dev * e->n_dev; i++) { atomic_store(&e->traffic[i], 0); atomic_store(&e->msgs[i], 0); }
     memset(e->busy, 0, (size_t)e->n_workers * e->n_dev * sizeof(uint64_t));
     memset(e->dev_rows, 0, (size_t)e->n_dev * sizeof(uint64_t));
+    size_t n_load = (size_t)(e->m->hp.n_layers + e->m->hp.n_mtp) * (size_t)(e->m->hp.n_routed > 0 ? e->m->hp.n_routed : 1);
+    memset(e->expert_load, 0, n_load * sizeof(uint64_t));
+    memset(S->load_mark, 0, n_load * sizeof(uint64_t));
     pthread_mutex_unlock(&S->step_mu);
 }
 
@@ -6402,7 +6453,15 @@ static void sb_printf(strbuf *b, const char *fmt, ...) {
     va_start(ap, fmt);
     int n = vsnprintf(tmp, sizeof tmp, fmt, ap);
     va_end(ap);
-    if (n > 0) sb_putn(b, tmp, (size_t)n < sizeof tmp ? (size_t)n : sizeof tmp - 1);
+    if (n <= 0) return;
+    if ((size_t)n < sizeof tmp) { sb_putn(b, tmp, (size_t)n); return; }
+    char *big = malloc((size_t)n + 1);          /* a long line: format it again, whole */
+    if (!big) { b->oom = 1; return; }
+    va_start(ap, fmt);
+    vsnprintf(big, (size_t)n + 1, fmt, ap);
+    va_end(ap);
+    sb_putn(b, big, (size_t)n);
+    free(big);
 }
 
 static double mb_of(uint64_t b) { return (double)b / 1e6; }
@@ -6415,6 +6474,10 @@ int cm384_report(cm384_engine *e, char *buf, size_t cap) {
     strbuf b = {0};
     sb_printf(&b, "supernode: %d devices (%d prefill, %d decode-attention, %d expert), %d workers, preset %s\n",
               st.n_devices, st.n_prefill_devices, st.n_attn_devices, st.n_expert_devices, st.n_workers, e->preset);
+    sb_printf(&b, "numerics: %s\n", e->cfg.int8 || e->cfg.int8_dispatch
+              ? (e->cfg.int8 && e->cfg.int8_dispatch ? "approximations on: INT8 W8A8 weights, INT8 dispatch"
+                 : e->cfg.int8 ? "approximations on: INT8 W8A8 weights" : "approximations on: INT8 dispatch")
+              : "exact (weights as stored, fp32 dispatch and combine: the reference's results)");
     sb_printf(&b, "requests: %llu done, %llu cancelled, %llu failed, %llu preempted\n",
               (unsigned long long)st.requests_done, (unsigned long long)st.requests_cancelled,
               (unsigned long long)st.requests_failed, (unsigned long long)st.requests_preempted);
@@ -6434,6 +6497,13 @@ int cm384_report(cm384_engine *e, char *buf, size_t cap) {
               mb_of(st.dispatch_bytes), mb_of(st.dispatch_bytes_bf16), e->cfg.int8_dispatch ? "INT8" : "fp32",
               mb_of(st.combine_bytes), mb_of(st.combine_bytes_bf16), mb_of(st.kv_handoff_bytes),
               (unsigned long long)st.messages);
+    if (e->trace) {
+        pthread_mutex_lock(&e->sched->step_mu);        /* the trace belongs to the step */
+        uint64_t written = e->trace_written + (uint64_t)e->n_tev, lost = e->trace_lost;
+        pthread_mutex_unlock(&e->sched->step_mu);
+        sb_printf(&b, "trace: %llu events so far, %llu lost (the file refused them)\n",
+                  (unsigned long long)written, (unsigned long long)lost);
+    }
     sb_printf(&b, "pool: %.1f MB, KV blocks %llu used / %llu (%llu cached)\n", mb_of(st.pool_bytes),
               (unsigned long long)st.kv_blocks_used, (unsigned long long)st.kv_blocks_total,
               (unsigned long long)st.kv_blocks_cached);
@@ -6495,29 +6565,43 @@ int cm384_report(cm384_engine *e, char *buf, size_t cap) {
 }
 
 /* Chrome trace: one track (tid) per device, one complete event per device
- * per region group; opens in Perfetto / chrome://tracing. */
-static void trace_write(struct cm384_engine *e) {
+ * per region group; opens in Perfetto / chrome://tracing.  Events are
+ * buffered and streamed to the file whenever the buffer fills, so a long run
+ * keeps all of them; a write the file refuses is counted (trace_lost, in the
+ * report), never silently dropped. */
+static void trace_open(struct cm384_engine *e) {
+    int n = fprintf(e->trace, "{\"displayTimeUnit\":\"ms\",\"traceEvents\":[\n"
+                    "{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":0,\"args\":{\"name\":\"cm384 supernode (%s)\"}}",
+                    e->preset);
+    if (n < 0) e->trace_lost++;
+}
+
+static void trace_flush(struct cm384_engine *e) {
     FILE *f = e->trace;
-    if (!f) return;
-    fprintf(f, "{\"displayTimeUnit\":\"ms\",\"traceEvents\":[\n");
-    fprintf(f, "{\"name\":\"process_name\",\"ph\":\"M\",\"pid\":0,\"args\":{\"name\":\"cm384 supernode (%s)\"}}", e->preset);
-    for (int d = 0; d < e->n_dev; d++) {
-        int used = 0;
-        for (int i = 0; i < e->n_tev && !used; i++) used = e->tev[i].device == d;
-        if (used)
-            fprintf(f, ",\n{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":0,\"tid\":%d,\"args\":{\"name\":\"device %d (%s)\"}}",
-                    d, d, role_name(e->dev[d].roles));
-    }
+    if (!f) { e->n_tev = 0; return; }
     for (int i = 0; i < e->n_tev; i++) {
         const trace_event *ev = &e->tev[i];
-        if (ev->t1 < ev->t0 || ev->t0 == UINT64_MAX) continue;
-        fprintf(f, ",\n{\"name\":\"%s\",\"cat\":\"mb%d\",\"ph\":\"X\",\"pid\":0,\"tid\":%d,\"ts\":%.3f,\"dur\":%.3f,"
-                   "\"args\":{\"layer\":%d,\"microbatch\":%d}}",
-                ev->name ? ev->name : "?", ev->mb, ev->device, (ev->t0 - e->t_origin) / 1e3,
-                (ev->t1 - ev->t0) / 1e3, ev->layer, ev->mb);
+        if (ev->t1 < ev->t0 || ev->t0 == UINT64_MAX) continue;     /* a group that ran no task */
+        int ok = 1;
+        if (!e->trace_named[ev->device]) {
+            e->trace_named[ev->device] = 1;
+            ok = fprintf(f, ",\n{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":0,\"tid\":%d,\"args\":{\"name\":\"device %d (%s)\"}}",
+                         ev->device, ev->device, role_name(e->dev[ev->device].roles)) >= 0;
+        }
+        ok &= fprintf(f, ",\n{\"name\":\"%s\",\"cat\":\"mb%d\",\"ph\":\"X\",\"pid\":0,\"tid\":%d,\"ts\":%.3f,\"dur\":%.3f,"
+                         "\"args\":{\"layer\":%d,\"microbatch\":%d}}",
+                      ev->name ? ev->name : "?", ev->mb, ev->device, (ev->t0 - e->t_origin) / 1e3,
+                      (ev->t1 - ev->t0) / 1e3, ev->layer, ev->mb) >= 0;
+        if (ok) e->trace_written++; else e->trace_lost++;
     }
-    fprintf(f, "\n]}\n");
-    fclose(f);
+    e->n_tev = 0;
+}
+
+static void trace_close(struct cm384_engine *e) {
+    if (!e->trace) return;
+    trace_flush(e);
+    if (fprintf(e->trace, "\n]}\n") < 0) e->trace_lost++;
+    if (fclose(e->trace) != 0) e->trace_lost++;
     e->trace = NULL;
 }
 
@@ -6530,7 +6614,7 @@ void cm384_config_init(cm384_config *c) {
     c->struct_size = sizeof *c;
     c->n_devices = 384;
     c->preset = "default";
-    c->int8_dispatch = 1;
+    c->int8_dispatch = -1;          /* the preset's choice: on in "paper" only */
 }
 
 void cm384_request_init(cm384_request *r) {
@@ -6547,7 +6631,7 @@ void cm384_engine_free(cm384_engine *e) {
         pthread_mutex_unlock(&e->mu);
         pthread_join(e->thread, NULL);
     }
-    trace_write(e);
+    trace_close(e);
     gl_pool_free(e->pool_threads);
     sched *S = e->sched;
     if (S) {
@@ -6564,12 +6648,46 @@ void cm384_engine_free(cm384_engine *e) {
     CM384_FREE(e->dev); CM384_FREE(e->pre_devs); CM384_FREE(e->attn_devs); CM384_FREE(e->red_devs);
     CM384_FREE(e->pool);
     CM384_FREE(e->traffic); CM384_FREE(e->msgs); CM384_FREE(e->busy);
-    CM384_FREE(e->expert_load); CM384_FREE(e->dev_rows); CM384_FREE(e->tev);
+    CM384_FREE(e->expert_load); CM384_FREE(e->dev_rows); CM384_FREE(e->tev); CM384_FREE(e->trace_named);
     CM384_FREE(e->rg.g);
     pthread_mutex_destroy(&e->mu);
     pthread_cond_destroy(&e->cv_work);
     pthread_cond_destroy(&e->cv_done);
     CM384_FREE(e);
+}
+
+/* Checks every config field against its documented range (naming the field
+ * in the message) and replaces 0 (and int8_dispatch's -1) by the default. */
+static int config_resolve(cm384_config *c, const hparams *hp, const char *preset) {
+    if (strcmp(preset, "default") && strcmp(preset, "paper") && strcmp(preset, "single"))
+        return fail(CM384_E_INVALID, "config.preset \"%s\" is not a preset (default, paper, single)", preset);
+    int paper = !strcmp(preset, "paper");
+#define RANGE(field, lo, hi)                                                                      \
+    if (c->field < (lo) || c->field > (hi))                                                      \
+        return fail(CM384_E_INVALID, "config." #field " = %d is outside [%d, %d]", (int)c->field, (int)(lo), (int)(hi))
+    RANGE(n_devices, 0, 4096);
+    RANGE(n_workers, 0, 1024);
+    RANGE(max_ctx, 0, hp->max_pos);
+    RANGE(max_batch, 0, 4096);
+    RANGE(kv_block_tokens, 0, 4096);
+    RANGE(prefill_chunk, 0, 65536);
+    RANGE(int8, 0, 1);
+    RANGE(int8_dispatch, -1, 1);
+    RANGE(microbatches, 0, 2);
+    RANGE(mtp, 0, 1);
+#undef RANGE
+    if (!(c->tpot_target_ms >= 0) || isinf(c->tpot_target_ms))
+        return fail(CM384_E_INVALID, "config.tpot_target_ms = %g is not a finite value >= 0", c->tpot_target_ms);
+    if (c->n_devices == 0) c->n_devices = 384;
+    if (c->n_workers == 0) c->n_workers = gl_n_cpus();
+    if (c->max_ctx == 0) c->max_ctx = hp->max_pos < 4096 ? hp->max_pos : 4096;
+    if (c->max_ctx < 2) return fail(CM384_E_INVALID, "config.max_ctx = %d: at least 2 tokens are needed", c->max_ctx);
+    if (c->max_batch == 0) c->max_batch = 64;
+    if (c->kv_block_tokens == 0) c->kv_block_tokens = 16;
+    if (c->prefill_chunk == 0) c->prefill_chunk = 512;
+    if (c->microbatches == 0) c->microbatches = paper ? 2 : 1;
+    if (c->int8_dispatch < 0) c->int8_dispatch = paper;     /* an approximation: only the paper preset's default */
+    return CM384_OK;
 }
 
 /* Lays out the whole pool (twice: once to size it, once to carve it). */
@@ -6629,21 +6747,8 @@ int cm384_engine_create(const cm384_model *m, const cm384_config *cfg, cm384_eng
     }
     const hparams *hp = &m->hp;
     const char *preset = c.preset ? c.preset : "default";
-    if (strcmp(preset, "default") && strcmp(preset, "paper") && strcmp(preset, "single"))
-        return fail(CM384_E_INVALID, "unknown preset \"%s\" (default, paper, single)", preset);
-    if (c.n_devices <= 0) c.n_devices = 384;
-    if (c.n_devices > 4096) return fail(CM384_E_INVALID, "n_devices %d is more than 4096", c.n_devices);
-    if (c.n_workers <= 0) c.n_workers = gl_n_cpus();
-    if (c.n_workers > 1024) return fail(CM384_E_INVALID, "n_workers %d is more than 1024", c.n_workers);
-    if (c.max_ctx <= 0) c.max_ctx = hp->max_pos < 4096 ? hp->max_pos : 4096;
-    if (c.max_ctx > hp->max_pos) return fail(CM384_E_INVALID, "max_ctx %d exceeds the model's %d positions", c.max_ctx, hp->max_pos);
-    if (c.max_ctx < 2) return fail(CM384_E_INVALID, "max_ctx must be at least 2");
-    if (c.max_batch <= 0) c.max_batch = 64;
-    if (c.max_batch > 4096) return fail(CM384_E_INVALID, "max_batch %d is more than 4096", c.max_batch);
-    if (c.kv_block_tokens <= 0) c.kv_block_tokens = 16;
-    if (c.prefill_chunk <= 0) c.prefill_chunk = 512;
-    if (c.microbatches <= 0) c.microbatches = !strcmp(preset, "paper") ? 2 : 1;
-    if (c.microbatches > 2) c.microbatches = 2;
+    int r = config_resolve(&c, hp, preset);
+    if (r) return r;
 
     cm384_engine *e = CM384_CALLOC(1, sizeof *e);
     if (!e) return fail(CM384_E_NOMEM, "out of memory");
@@ -6660,7 +6765,6 @@ int cm384_engine_create(const cm384_model *m, const cm384_config *cfg, cm384_eng
     e->n_workers = c.n_workers;
     e->max_ctx = c.max_ctx;
     e->step_cap = c.prefill_chunk > 2 * c.max_batch ? c.prefill_chunk : 2 * c.max_batch;
-    int r = CM384_OK;
     e->sched = CM384_CALLOC(1, sizeof(sched));
     e->pool_threads = gl_pool_create(c.n_workers);
     if (!e->sched || !e->pool_threads) r = fail(CM384_E_NOMEM, "cannot start %d worker threads", c.n_workers);
@@ -6724,10 +6828,12 @@ int cm384_engine_create(const cm384_model *m, const cm384_config *cfg, cm384_eng
     }
     if (!r && cfg && cfg->struct_size > offsetof(cm384_config, trace_path) && cfg->trace_path) {
         e->trace = fopen(cfg->trace_path, "w");
-        e->cap_tev = 1 << 19;
+        e->cap_tev = 1 << 16;
         e->tev = CM384_MALLOC((size_t)e->cap_tev * sizeof(trace_event));
+        e->trace_named = CM384_CALLOC((size_t)e->n_dev, 1);
         if (!e->trace) r = fail(CM384_E_IO, "%s: cannot open the trace file: %s", cfg->trace_path, strerror(errno));
-        else if (!e->tev) r = fail(CM384_E_NOMEM, "out of memory for the trace");
+        else if (!e->tev || !e->trace_named) r = fail(CM384_E_NOMEM, "out of memory for the trace");
+        else trace_open(e);
         e->t_origin = now_ns();
     }
     if (!r) {
@@ -6745,6 +6851,28 @@ int cm384_engine_create(const cm384_model *m, const cm384_config *cfg, cm384_eng
 
 /* ---- requests ---- */
 
+/* The longest text one event can carry (a token's completed characters, or
+ * a final event's flushed tail). */
+static size_t request_text_cap(const cm384_model *m) {
+    size_t cap = 512;
+    if (m->tok && tokenizer_stream_cap(m->tok) > cap) cap = tokenizer_stream_cap(m->tok);
+    return cap;
+}
+
+/* Every sampling field against its documented range, named in the message. */
+static int sampling_check(const cm384_sampling *sp) {
+    if (sp->max_tokens < 1)
+        return fail(CM384_E_INVALID, "cm384_submit: sampling.max_tokens = %d; at least 1 token must be asked for", sp->max_tokens);
+    if (!(sp->temperature >= 0) || isinf(sp->temperature))
+        return fail(CM384_E_INVALID, "cm384_submit: sampling.temperature = %g is not a finite value >= 0", sp->temperature);
+    if (sp->top_k < 0) return fail(CM384_E_INVALID, "cm384_submit: sampling.top_k = %d is negative", sp->top_k);
+    if (!(sp->top_p >= 0 && sp->top_p <= 1))
+        return fail(CM384_E_INVALID, "cm384_submit: sampling.top_p = %g is outside [0, 1]", sp->top_p);
+    if (!(sp->min_p >= 0 && sp->min_p <= 1))
+        return fail(CM384_E_INVALID, "cm384_submit: sampling.min_p = %g is outside [0, 1]", sp->min_p);
+    return CM384_OK;
+}
+
 int cm384_submit(cm384_engine *e, const cm384_request *req, uint64_t *id_out) {
     if (id_out) *id_out = 0;
     if (!e || !req) return fail(CM384_E_INVALID, "cm384_submit: NULL argument");
@@ -6761,9 +6889,8 @@ int cm384_submit(cm384_engine *e, const cm384_request *req, uint64_t *id_out) {
             return fail(CM384_E_INVALID, "cm384_submit: sampling struct_size is not valid");
         memcpy(&sp, q.sampling, q.sampling->struct_size < sizeof sp ? q.sampling->struct_size : sizeof sp);
     }
-    if (sp.max_tokens <= 0) return fail(CM384_E_INVALID, "cm384_submit: max_tokens must be at least 1");
-    if (!(sp.temperature >= 0) || !(sp.top_p >= 0) || !(sp.min_p >= 0) || sp.top_k < 0)
-        return fail(CM384_E_INVALID, "cm384_submit: bad sampling options");
+    int r0 = sampling_check(&sp);
+    if (r0) return r0;
     int n;
     if (q.text) {
         if (!m->tok) return fail(CM384_E_UNSUPPORTED, "cm384_submit: the model has no tokenizer; submit ids");
@@ -6783,14 +6910,20 @@ int cm384_submit(cm384_engine *e, const cm384_request *req, uint64_t *id_out) {
     if (cap_tokens > e->max_ctx + 1) cap_tokens = e->max_ctx + 1;
     r->cap_tokens = (int)cap_tokens;
     r->cap_blocks = (e->max_ctx + e->kv.block_tokens - 1) / e->kv.block_tokens + 1;
-    r->text_cap = 512;
-    if (m->tok && (size_t)tokenizer_stream_cap(m->tok) > r->text_cap) r->text_cap = (size_t)tokenizer_stream_cap(m->tok);
+    r->text_cap = request_text_cap(m);
     r->tokens = CM384_MALLOC((size_t)r->cap_tokens * sizeof(int32_t));
     r->blocks = CM384_MALLOC((size_t)r->cap_blocks * sizeof(int));
     r->text = CM384_MALLOC(r->text_cap);
     if (!r->tokens || !r->blocks || !r->text) { request_free(r); return fail(CM384_E_NOMEM, "out of memory"); }
     if (q.text) {
         tokenizer_encode(m->tok, q.text, q.text_len ? q.text_len : strlen(q.text), r->tokens, n, CM384_TOK_ADD_BOS);
+        for (int i = 0; i < n; i++)     /* a tokenizer may know more ids than the embedding has rows */
+            if (r->tokens[i] >= m->hp.vocab) {
+                int id = r->tokens[i];
+                request_free(r);
+                return fail(CM384_E_INVALID, "cm384_submit: the prompt's token %d (id %d) is outside the model's %d embedding rows: "
+                            "the tokenizer knows ids the model does not", i, id, m->hp.vocab);
+            }
     } else {
         for (int i = 0; i < n; i++) {
             if (q.ids[i] < 0 || q.ids[i] >= m->hp.vocab) {
@@ -6842,17 +6975,17 @@ int cm384_submit(cm384_engine *e, const cm384_request *req, uint64_t *id_out) {
 int cm384_cancel(cm384_engine *e, uint64_t id) {
     if (!e) return fail(CM384_E_INVALID, "cm384_cancel: NULL engine");
     sched *S = e->sched;
-    int r = fail(CM384_E_NOT_FOUND, "cm384_cancel: no running request %llu", (unsigned long long)id);
+    int found = 0;
     pthread_mutex_lock(&e->mu);
     for (int i = 0; i < S->n_live; i++)
         if (S->live[i]->id == id) {
             atomic_store(&S->live[i]->cancel, 1);
             pthread_cond_signal(&e->cv_work);
-            r = CM384_OK;
+            found = 1;
             break;
         }
     pthread_mutex_unlock(&e->mu);
-    return r;
+    return found ? CM384_OK : fail(CM384_E_NOT_FOUND, "cm384_cancel: no running request %llu", (unsigned long long)id);
 }
 
 static void deadline_after(struct timespec *ts, int ms) {
@@ -6885,7 +7018,7 @@ int cm384_wait(cm384_engine *e, uint64_t id, int timeout_ms) {
         if (timeout_ms < 0) pthread_cond_wait(&e->cv_done, &e->mu);
         else if (pthread_cond_timedwait(&e->cv_done, &e->mu, &dl) == ETIMEDOUT) {
             pthread_mutex_unlock(&e->mu);
-            return fail(CM384_E_CAPACITY, "cm384_wait: timed out after %d ms", timeout_ms);
+            return fail(CM384_E_TIMEOUT, "cm384_wait: request %llu still running after %d ms", (unsigned long long)id, timeout_ms);
         }
     }
 }
@@ -6901,11 +7034,12 @@ int cm384_wait_all(cm384_engine *e) {
 /* cm384_generate: the scheduler thread copies events into a small ring; the
  * calling thread delivers them to the user's callback. */
 #define GEN_RING 64
-typedef struct gen_slot { cm384_event ev; char text[520]; } gen_slot;
+typedef struct gen_slot { cm384_event ev; char *text; } gen_slot;
 typedef struct gen_queue {
     pthread_mutex_t mu;
     pthread_cond_t  cv;
     gen_slot        ring[GEN_RING];
+    size_t          text_cap;       /* the longest event text + 1 */
     int             head, count;
 } gen_queue;
 
@@ -6915,7 +7049,7 @@ static int gen_push(void *user, const cm384_event *ev) {
     while (q->count == GEN_RING) pthread_cond_wait(&q->cv, &q->mu);
     gen_slot *s = &q->ring[(q->head + q->count) % GEN_RING];
     s->ev = *ev;
-    size_t n = ev->text_len < sizeof s->text ? ev->text_len : sizeof s->text - 1;
+    size_t n = ev->text_len < q->text_cap ? ev->text_len : q->text_cap - 1;   /* always all of it: see text_cap */
     if (n) memcpy(s->text, ev->text, n);
     s->text[n] = 0;
     s->ev.text = NULL;
@@ -6931,6 +7065,10 @@ int cm384_generate(cm384_engine *e, const char *text, const int32_t *ids, int n_
     if (!e) return fail(CM384_E_INVALID, "cm384_generate: NULL engine");
     gen_queue *q = CM384_CALLOC(1, sizeof *q);
     if (!q) return fail(CM384_E_NOMEM, "out of memory");
+    q->text_cap = request_text_cap(e->m) + 1;
+    char *texts = CM384_MALLOC(GEN_RING * q->text_cap);
+    if (!texts) { CM384_FREE(q); return fail(CM384_E_NOMEM, "out of memory"); }
+    for (int i = 0; i < GEN_RING; i++) q->ring[i].text = texts + (size_t)i * q->text_cap;
     pthread_mutex_init(&q->mu, NULL);
     pthread_cond_init(&q->cv, NULL);
     cm384_request rq;
@@ -6943,18 +7081,21 @@ int cm384_generate(cm384_engine *e, const char *text, const int32_t *ids, int n_
     for (int done = r != CM384_OK; !done;) {
         pthread_mutex_lock(&q->mu);
         while (!q->count) pthread_cond_wait(&q->cv, &q->mu);
-        gen_slot slot = q->ring[q->head];
+        gen_slot *slot = &q->ring[q->head];     /* stays ours until count says it is free */
+        pthread_mutex_unlock(&q->mu);
+        slot->ev.text = slot->text;
+        if (slot->ev.kind != CM384_EV_TOKEN) { done = 1; status = slot->ev.status; }
+        if (fn && fn(user, &slot->ev) && !cancelled && !done) { cm384_cancel(e, id); cancelled = 1; }
+        pthread_mutex_lock(&q->mu);
         q->head = (q->head + 1) % GEN_RING;
         q->count--;
         pthread_cond_broadcast(&q->cv);
         pthread_mutex_unlock(&q->mu);
-        slot.ev.text = slot.text;
-        if (slot.ev.kind != CM384_EV_TOKEN) { done = 1; status = slot.ev.status; }
-        if (fn && fn(user, &slot.ev) && !cancelled && !done) { cm384_cancel(e, id); cancelled = 1; }
     }
     if (r == CM384_OK) cm384_wait(e, id, -1);           /* drop the record */
     pthread_mutex_destroy(&q->mu);
     pthread_cond_destroy(&q->cv);
+    CM384_FREE(texts);
     CM384_FREE(q);
     if (status == CM384_E_CANCELLED) fail(status, "cm384_generate: cancelled");
     return status;
@@ -7002,6 +7143,10 @@ int cm384_eval(cm384_engine *e, const int32_t *ids, int n, float *logits, float 
         mb.logits = mtp_logits + (size_t)c0 * hp->vocab;
         mb_make_groups(&mb, a->groups, S->dev_of);
         forward_mtp(e, &mb, h + (size_t)c0 * hp->dim);
+    }
+    if (e->rg.broken) {
+        r = fail(CM384_E_INTERNAL, "cm384_eval: internal error: %s", e->rg.broken);
+        e->rg.broken = NULL;
     }
     for (int i = 0; i < got; i++) block_unref(e, blocks[i]);
     pthread_mutex_unlock(&S->step_mu);

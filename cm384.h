@@ -68,7 +68,22 @@
  *
  *   Option structs are passed by pointer, start with `size_t struct_size` and
  *   are filled with defaults by their *_init() function; fields are only ever
- *   appended.  Passing NULL means "all defaults".
+ *   appended.  Passing NULL means "all defaults".  Structs the library fills
+ *   in (cm384_model_info, cm384_stats) have no init function: set struct_size
+ *   to sizeof(the struct) before the call (0 also means the current size); a
+ *   program built against an older, shorter struct gets only the fields it
+ *   knows, and struct_size comes back as the bytes written.  Option structs
+ *   are copied by the call they are passed to (a request's sampling options
+ *   too): they may be reused or freed as soon as it returns.
+ *
+ * NUMERICS
+ *
+ *   Defaults are exact: with a NULL config (or cm384_config_init's values)
+ *   the engine computes what DeepSeek's reference code computes, to fp32
+ *   rounding, whatever the topology, batch, cache or timing.  Every
+ *   approximation the paper makes is off by default, on in the "paper"
+ *   preset, and has its own switch: int8 (W8A8 weights), int8_dispatch (INT8
+ *   tokens to the expert devices).  cm384_report says which are on.
  * ---------------------------------------------------------------------------
  */
 #ifndef CM384_H
@@ -111,7 +126,8 @@ enum cm384_status {
     CM384_E_MISUSE      = -8,  /* call not allowed in this state (e.g. engine on a
                                   tokenizer-only model)                                 */
     CM384_E_INTERNAL    = -9,  /* a bug: please report it                               */
-    CM384_E_NOT_FOUND   = -10  /* no such request id                                    */
+    CM384_E_NOT_FOUND   = -10, /* no such request id                                    */
+    CM384_E_TIMEOUT     = -11  /* cm384_wait: the request is still running              */
 };
 
 /* Static name of a status code ("CM384_E_FORMAT: malformed file"). */
@@ -260,44 +276,56 @@ CM384_API int cm384_chat_render(const cm384_model *m, const cm384_chat_msg *msgs
 
 typedef void (*cm384_log_fn)(void *user, int level, const char *msg);
 
+/* Every field: 0 means its default (as listed); a negative value or one
+ * outside the range given is refused by cm384_engine_create with
+ * CM384_E_INVALID and a message naming the field. */
 typedef struct cm384_config {
     size_t       struct_size;
     /* topology */
-    int          n_devices;        /* emulated devices (default 384)                 */
-    int          n_workers;        /* OS threads running them (0 = online cores);
-                                      n_workers == n_devices: one thread per device,
-                                      each device's work on its own thread          */
+    int          n_devices;        /* emulated devices, 1..4096 (0 = 384)            */
+    int          n_workers;        /* OS threads running them, 1..1024 (0 = online
+                                      cores); n_workers == n_devices: one thread per
+                                      device, each device's work on its own thread  */
     const char  *preset;           /* "default" (fastest on this host), "paper"
                                       (CloudMatrix-Infer's layout scaled to the
-                                      model) or "single" (everything on device 0)    */
+                                      model) or "single" (everything on device 0);
+                                      NULL = "default"                              */
     /* capacity */
-    int          max_ctx;          /* tokens per request, prompt + output
-                                      (0 = min(model max, 4096))                     */
-    int          max_batch;        /* concurrent decoding requests (0 = 64)          */
-    int          kv_block_tokens;  /* tokens per KV block (0 = 16)                   */
+    int          max_ctx;          /* tokens per request, prompt + output, 2 .. the
+                                      model's max positions (0 = min(that, 4096))    */
+    int          max_batch;        /* concurrent requests, 1..4096 (0 = 64)          */
+    int          kv_block_tokens;  /* tokens per KV block, 1..4096 (0 = 16)          */
     size_t       kv_pool_bytes;    /* KV block pool (0 = enough for max_batch
-                                      requests of max_ctx tokens, at most 1 GiB)     */
+                                      requests of max_ctx tokens, at most 1 GiB);
+                                      must hold one request of max_ctx tokens       */
     size_t       cache_bytes;      /* context-cache budget inside the pool
                                       (0 = half the pool; (size_t)-1 = off)          */
-    int          prefill_chunk;    /* max prompt tokens per prefill step (0 = 512)   */
+    int          prefill_chunk;    /* max prompt tokens per prefill step, 1..65536
+                                      (0 = 512)                                      */
     /* mechanisms, each switchable */
     int          int8;             /* 1: W8A8 -- weights int8 per output channel
                                       (made once per model, shared by its engines),
                                       activations int8 per token, int32 sums; the
                                       router, norms, softmax and attention core stay
-                                      fp32.  0 (default): weights in stored type     */
-    int          int8_dispatch;    /* 1 (default): quantize tokens to INT8 before
-                                      dispatch to expert devices; 0: fp32            */
+                                      fp32 (an approximation).  0 (default): weights
+                                      in their stored type                          */
+    int          int8_dispatch;    /* 1: quantize tokens to INT8 (per-token scale)
+                                      before dispatch to expert devices, as the
+                                      paper does (an approximation); 0: fp32, exact.
+                                      -1 (cm384_config_init's value) = the preset's
+                                      choice: on in "paper", off otherwise           */
     int          microbatches;     /* 2: one microbatch's attention shares each
                                       parallel region with the other's MoE; 1: one
                                       batch.  0 (default) = 2 in the paper preset, 1
                                       otherwise: on a CPU, two microbatches read the
                                       weights twice per step, which memory-bound
-                                      decode pays for                                */
+                                      decode pays for.  Same results either way      */
     int          mtp;              /* 1: speculative decoding with the MTP layer
-                                      when the model has one; 0 (default)            */
+                                      when the model has one (same tokens);
+                                      0 (default)                                    */
     double       tpot_target_ms;   /* SLO: cap the decode batch to keep time per
-                                      output token under this (0 = no cap)           */
+                                      output token under this, finite and >= 0
+                                      (0 = no cap)                                   */
     /* observability */
     const char  *trace_path;       /* write a Chrome-trace JSON here (NULL = off)    */
     cm384_log_fn log;              /* topology at creation, preemptions, expert
@@ -320,7 +348,10 @@ CM384_API int  cm384_engine_create(const cm384_model *m, const cm384_config *cfg
  * the threads and frees the engine.  NULL is a no-op. */
 CM384_API void cm384_engine_free(cm384_engine *e);
 
-/* Evaluate a fresh sequence of n ids (nothing cached, nothing kept).
+/* Evaluate a fresh sequence of n ids (nothing cached, nothing kept).  The
+ * ids are taken as they are: begin them with cm384_token_bos() for what the
+ * model saw in training (text requests get BOS added; cm384_tokenize adds it
+ * with CM384_TOK_ADD_BOS).  Ids outside [0, vocab) fail with CM384_E_INVALID.
  * logits: n x vocab floats; row i predicts token i+1.  mtp_logits (may be
  * NULL; needs a model with an MTP layer and n >= 2): (n-1) x vocab, row i
  * predicts token i+2 from the main model's hidden state at i and ids[i+1].
@@ -332,15 +363,17 @@ CM384_API int cm384_eval(cm384_engine *e, const int32_t *ids, int n,
 /* 4. Requests: sampling, events, submit / cancel / wait                    */
 /* ======================================================================== */
 
+/* Sampling options.  cm384_submit refuses a value outside its range with
+ * CM384_E_INVALID and a message naming the field. */
 typedef struct cm384_sampling {
     size_t   struct_size;
-    float    temperature;    /* 0 (default) = greedy                          */
-    int      top_k;          /* 0 = off                                       */
-    float    top_p;          /* 1 = off                                       */
-    float    min_p;          /* 0 = off                                       */
+    float    temperature;    /* finite, >= 0; 0 (default) = greedy            */
+    int      top_k;          /* >= 0; 0 = off                                 */
+    float    top_p;          /* [0, 1]; 1 (default) or 0 = off                */
+    float    min_p;          /* [0, 1]; 0 = off                               */
     uint64_t seed;           /* same seed, same tokens (default 0)            */
-    int      max_tokens;     /* tokens to generate (default 128)              */
-    int      ignore_eos;     /* 1: do not stop at EOS                         */
+    int      max_tokens;     /* tokens to generate, >= 1 (default 128)        */
+    int      ignore_eos;     /* non-zero: do not stop at EOS                  */
 } cm384_sampling;
 
 CM384_API void cm384_sampling_init(cm384_sampling *s);
@@ -348,10 +381,15 @@ CM384_API void cm384_sampling_init(cm384_sampling *s);
 enum cm384_event_kind {
     CM384_EV_TOKEN     = 1,  /* one generated token (text may be empty while a
                                 UTF-8 code point is incomplete)               */
-    CM384_EV_DONE      = 2,  /* final: finished (max_tokens or EOS)           */
+    CM384_EV_DONE      = 2,  /* final: finished (max_tokens, EOS or max_ctx)  */
     CM384_EV_CANCELLED = 3,  /* final: cancelled                              */
-    CM384_EV_ERROR     = 4   /* final: failed (status says why)               */
+    CM384_EV_ERROR     = 4   /* final: failed after it was queued (status says
+                                why: CM384_E_INTERNAL when an engine invariant
+                                broke; nothing it computed is delivered)      */
 };
+
+/* A final event may carry text too: the tail of an incomplete UTF-8
+ * character left by the last token, flushed as U+FFFD. */
 
 typedef struct cm384_event {
     size_t      struct_size;
@@ -387,8 +425,10 @@ CM384_API void cm384_request_init(cm384_request *r);
 
 /* Queue a request; returns at once.  *id_out (may be NULL) gets its id.  The
  * request then ends with exactly one final event.  A request that cannot run
- * (prompt longer than the context, unknown token id) is not queued: the call
- * fails with CM384_E_CAPACITY / CM384_E_INVALID and no event is sent. */
+ * (prompt longer than the context, a token id outside the embedding -- also
+ * one the tokenizer produced from text --, a sampling value out of range) is
+ * not queued: the call fails with CM384_E_CAPACITY / CM384_E_INVALID and no
+ * event is sent.  The request and its sampling options are copied. */
 CM384_API int cm384_submit(cm384_engine *e, const cm384_request *r, uint64_t *id_out);
 
 /* Ask a request to stop; its final event is CM384_EV_CANCELLED.  Returns
@@ -397,8 +437,9 @@ CM384_API int cm384_cancel(cm384_engine *e, uint64_t id);
 
 /* Wait until the request has finished (timeout_ms < 0: forever) and return its
  * final status (CM384_OK, CM384_E_CANCELLED, ...), or CM384_E_NOT_FOUND, or
- * CM384_E_CAPACITY on timeout.  Any thread may wait; the result is kept until
- * the first successful cm384_wait(). */
+ * CM384_E_TIMEOUT if it is still running after timeout_ms.  Any thread may
+ * wait; the result is kept until the first successful cm384_wait() (of
+ * requests nobody waits for, the last 65536 results are kept). */
 CM384_API int cm384_wait(cm384_engine *e, uint64_t id, int timeout_ms);
 
 /* Wait until no request is queued or running. */

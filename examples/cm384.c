@@ -54,7 +54,9 @@ static void usage(void) {
         "  --microbatches N  1 or 2 (default: 2 with --preset paper, else 1)\n"
         "  --ctx N           max context (run/bench) or window (perplexity)\n"
         "  --int8            INT8 W8A8 weights\n"
-        "  --no-int8-dispatch  dispatch tokens to experts in fp32\n"
+        "  --int8-dispatch     dispatch tokens to experts in INT8 (an approximation;\n"
+        "                      the paper preset's default)\n"
+        "  --no-int8-dispatch  dispatch tokens to experts in fp32 (exact; the default)\n"
         "  --mtp             speculative decoding with the MTP layer\n"
         "  --trace FILE      write a Chrome trace (open in Perfetto)\n"
         "  --report          print the supernode report after generating\n"
@@ -66,7 +68,7 @@ static void usage(void) {
 static int parse(int argc, char **argv, opts *o) {
     memset(o, 0, sizeof *o);
     o->model = "models/shakespeare";
-    o->n_tokens = -1; o->n_prompt = -1; o->top = 5; o->int8_dispatch = 1; o->microbatches = 0;
+    o->n_tokens = -1; o->n_prompt = -1; o->top = 5; o->int8_dispatch = -1; o->microbatches = 0;
     o->requests = 16; o->concurrency = 16; o->tenants = 1; o->top_p = 1.0f; o->seed = 0;
     for (int i = 2; i < argc; i++) {
         const char *a = argv[i];
@@ -88,6 +90,7 @@ static int parse(int argc, char **argv, opts *o) {
         else if (!strcmp(a, "--ctx")) { o->max_ctx = atoi(VAL); o->window = o->max_ctx; }
         else if (!strcmp(a, "--int8")) o->int8 = 1;
         else if (!strcmp(a, "--no-int8-dispatch")) o->int8_dispatch = 0;
+        else if (!strcmp(a, "--int8-dispatch")) o->int8_dispatch = 1;
         else if (!strcmp(a, "--mtp")) o->mtp = 1;
         else if (!strcmp(a, "--trace")) o->trace = VAL;
         else if (!strcmp(a, "--report")) o->report = 1;

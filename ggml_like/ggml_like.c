@@ -75,9 +75,8 @@ static const float *gl_f8_table(void) {
 
 static void gl_widen16(int type, const uint16_t *p, float *out, int n);
 
-void gl_row_to_f32(const gl_mat *w, int r, float *out) {
-    size_t off = (size_t)r * (size_t)w->cols;
-    int n = w->cols;
+void gl_row_range_to_f32(const gl_mat *w, int r, int c0, int n, float *out) {
+    size_t off = (size_t)r * (size_t)w->cols + (size_t)c0;
     switch (w->type) {
     case GL_F32: memcpy(out, (const float *)w->data + off, (size_t)n * 4); break;
     case GL_F16:
@@ -87,7 +86,7 @@ void gl_row_to_f32(const gl_mat *w, int r, float *out) {
         const float *t = gl_f8_table();
         int bc = (w->cols + GL_F8_BLOCK - 1) / GL_F8_BLOCK;
         const float *s = w->scale + (size_t)(r / GL_F8_BLOCK) * (size_t)bc;
-        for (int c = 0; c < n; c++) out[c] = t[p[c]] * s[c / GL_F8_BLOCK];
+        for (int c = 0; c < n; c++) out[c] = t[p[c]] * s[(c0 + c) / GL_F8_BLOCK];
         break;
     }
     case GL_Q8: {
@@ -98,6 +97,8 @@ void gl_row_to_f32(const gl_mat *w, int r, float *out) {
     }
     }
 }
+
+void gl_row_to_f32(const gl_mat *w, int r, float *out) { gl_row_range_to_f32(w, r, 0, w->cols, out); }
 
 /* ---------------------------------------------------------------------- */
 /* Scalar kernels                                                         */
@@ -149,17 +150,31 @@ static void scalar_silu_mul(float *a, const float *b, int n) {
     for (int i = 0; i < n; i++) a[i] = a[i] / (1.0f + expf(-a[i])) * b[i];
 }
 
-/* One weight row converted to fp32 once, then dotted with every x row. */
+/* Weight rows converted to fp32 a slab of columns at a time and dotted with
+ * up to 16 x rows, so a row of any width needs only stack scratch.  The lane
+ * of column c is c % GL_LANES, as in scalar_dot, and the accumulators carry
+ * across slabs: the result is scalar_dot's, bit for bit. */
+#define SCALAR_SLAB 2048
+#define SCALAR_XROWS 16
 static void scalar_matmul(const gl_mat *w, const float *x, int n, int ldx,
                           float *y, int ldy, int r0, int r1) {
-    float buf[4096];
-    float *row = w->cols <= 4096 ? buf : malloc((size_t)w->cols * sizeof(float));
-    if (!row) return;
+    float slab[SCALAR_SLAB];
+    float acc[SCALAR_XROWS][GL_LANES];
     for (int r = r0; r < r1; r++) {
-        gl_row_to_f32(w, r, row);
-        for (int i = 0; i < n; i++) y[(size_t)i * ldy + r] = scalar_dot(row, x + (size_t)i * ldx, w->cols);
+        for (int i0 = 0; i0 < n; i0 += SCALAR_XROWS) {
+            int ni = n - i0 < SCALAR_XROWS ? n - i0 : SCALAR_XROWS;
+            memset(acc, 0, sizeof acc);
+            for (int c0 = 0; c0 < w->cols; c0 += SCALAR_SLAB) {
+                int nc = w->cols - c0 < SCALAR_SLAB ? w->cols - c0 : SCALAR_SLAB;
+                gl_row_range_to_f32(w, r, c0, nc, slab);
+                for (int i = 0; i < ni; i++) {
+                    const float *xr = x + (size_t)(i0 + i) * ldx + c0;
+                    for (int c = 0; c < nc; c++) acc[i][(c0 + c) % GL_LANES] += slab[c] * xr[c];
+                }
+            }
+            for (int i = 0; i < ni; i++) y[(size_t)(i0 + i) * ldy + r] = gl_lanes_sum(acc[i]);
+        }
     }
-    if (row != buf) free(row);
 }
 
 static void scalar_matmul_q8(const gl_mat *w, const int8_t *xq, const float *xscale, int n, int ldx,
@@ -301,17 +316,13 @@ const gl_kernels *gl_kernels_by_name(const char *name) {
     return NULL;
 }
 
-void gl_quantize_weight_q8(const gl_mat *w, int8_t *q, float *scale, int r0, int r1) {
+void gl_quantize_weight_q8(const gl_mat *w, int8_t *q, float *scale, int r0, int r1, float *row) {
     /* every kernel set quantizes bit-identically, so take the fastest */
     const gl_kernels *k = gl_kernels_get();
-    float buf[4096];
-    float *row = w->cols <= 4096 ? buf : malloc((size_t)w->cols * sizeof(float));
-    if (!row) return;
     for (int r = r0; r < r1; r++) {
         gl_row_to_f32(w, r, row);
         k->quantize_q8(row, 1, w->cols, w->cols, q + (size_t)r * w->cols, w->cols, &scale[r]);
     }
-    if (row != buf) free(row);
 }
 
 /* ---------------------------------------------------------------------- */

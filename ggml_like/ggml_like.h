@@ -71,6 +71,9 @@ float    gl_f8e4m3_to_f32(uint8_t b);
 
 /* Converts row r of W to fp32 (dequantizing blocks/scales). */
 void gl_row_to_f32(const gl_mat *w, int r, float *out);
+/* Columns [c0, c0 + n) of row r only; c0 a multiple of 256 (every block
+ * format's block divides it). */
+void gl_row_range_to_f32(const gl_mat *w, int r, int c0, int n, float *out);
 
 /* A set of kernels for one instruction set: "scalar" (portable C), "avx2"
  * (x86-64 with AVX2, FMA, F16C), "avx_vnni" and "avx512_vnni" (AVX2 with
@@ -123,8 +126,9 @@ int gl_kernels_all(const gl_kernels **out, int cap);
 const gl_kernels *gl_kernels_by_name(const char *name);
 
 /* Quantize a weight matrix to GL_Q8: q gets rows*cols int8, scale gets rows
- * floats.  Rows [r0, r1) only, so it can be parallelized. */
-void gl_quantize_weight_q8(const gl_mat *w, int8_t *q, float *scale, int r0, int r1);
+ * floats.  Rows [r0, r1) only, so it can be parallelized; row is the
+ * caller's scratch of w->cols floats. */
+void gl_quantize_weight_q8(const gl_mat *w, int8_t *q, float *scale, int r0, int r1, float *row);
 
 /* ---------------------------------------------------------------------- */
 /* Worker pool                                                            */

@@ -158,7 +158,7 @@ for sp in 0 0.5 0.9; do
         "$(jget "$o" ttft_p50_ms)" "$(jget "$o" ttft_p99_ms)" "$(jget "$o" prefill_tok_s)"
 done
 for d in on off; do
-    flag=""; [ $d = off ] && flag="--no-int8-dispatch"
+    flag="--int8-dispatch"; [ $d = off ] && flag="--no-int8-dispatch"
     o=$($CLI bench -m "$SM" -p 64 -n 32 --requests 8 --concurrency 8 -t "$T" $flag --json 2>/dev/null)
     printf 'INT8 dispatch %-3s: dispatch %8.2f MB (bf16 would be %8.2f MB), combine %8.2f MB\n' "$d" \
         "$(awk -v x="$(jget "$o" dispatch_bytes)" 'BEGIN{print x/1e6}')" \

@@ -15,6 +15,7 @@
 #include "test_alloc.c"
 #include "test_model.c"
 #include "test_api.c"
+#include "test_trust.c"
 
 static const struct {
     const char *name;
@@ -28,6 +29,7 @@ static const struct {
     {"alloc", test_main_alloc},
     {"model", test_main_model},
     {"api", test_main_api},
+    {"trust", test_main_trust},
 };
 
 int main(int argc, char **argv) {

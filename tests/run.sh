@@ -33,12 +33,16 @@ step() {  # step NAME COMMAND...
 
 # unit and golden tests
 T="$B/cm384_tests"
-for t in tokenizer kernels golden loader engine alloc model api; do
+# a model at DeepSeek-V3's hidden width (7168) for the allocation test
+[ -f "$B/models/v3-width/config.json" ] ||
+    "$B/gen_synth" --preset tiny --set hidden_size=7168 --no-index "$B/models/v3-width" >/dev/null 2>&1 ||
+    echo "   (could not generate $B/models/v3-width)"
+for t in tokenizer kernels golden loader engine alloc model api trust; do
     step "$t" "$T" $t
 done
 
 # the same under AddressSanitizer + UndefinedBehaviorSanitizer
-for t in tokenizer kernels golden loader api; do
+for t in tokenizer kernels golden loader api trust; do
     step "asan+ubsan $t" env ASAN_OPTIONS=detect_leaks=1 "$B/asan/cm384_tests" $t
 done
 step "asan+ubsan model" env CM384_QUICK=1 ASAN_OPTIONS=detect_leaks=1 "$B/asan/cm384_tests" model
@@ -64,6 +68,14 @@ step "examples/embed" "$B/embed" "$MODEL" "ROMEO:"
 step "cm384 tokenize" "$B/cm384" tokenize -m tests/fixtures/tiny-dsv3 --quiet "Hello world"
 step "cm384 eval" "$B/cm384" eval -m tests/fixtures/tiny-dsv3 -t 2 --top 2 "Hello"
 step "cm384 bench (paper preset)" "$B/cm384" bench -m tests/fixtures/tiny-dsv3 -t 2 -p 32 -n 8 --requests 8 --preset paper --json
+
+# the README's embedding example compiles and runs as printed
+readme_example() {
+    sed -n '/^```c$/,/^```$/p' README.md | sed '1d;$d' > "$B/readme_example.c" &&
+    $CC -std=c11 -Wall -Wextra -Werror -I. "$B/readme_example.c" "$B/libcm384.a" -o "$B/readme_example" -lpthread -lm &&
+    "$B/readme_example" >/dev/null
+}
+step "README's embedding example" readme_example
 
 # one translation unit, warning-free, header usable from C++
 step "gcc -Wall -Wextra -Werror -c cm384.c" gcc -std=c11 -O2 -Wall -Wextra -Werror -c cm384.c -o "$B/check_gcc.o"

@@ -48,8 +48,11 @@ static int collect(void *user, const cm384_event *ev) {
  * longer than an attention-core chunk move the core's chunk edges.
  * rescale_always: the core rescales its running softmax at every new max
  * (core_slack 0), which real scores rarely ask for. */
+/* preset NULL: the engine made with a NULL config (every default), which
+ * must compute the reference exactly. */
 static void check_topology(cm384_model *m, const char *preset, int microbatches, int kv_block, int rescale_always) {
-    printf("[%s, %d microbatch%s", preset, microbatches, microbatches > 1 ? "es" : "");
+    if (!preset) printf("[NULL config: every default");
+    else printf("[%s, %d microbatch%s", preset, microbatches, microbatches > 1 ? "es" : "");
     if (kv_block) printf(", KV blocks of %d", kv_block);
     printf("%s]\n", rescale_always ? ", softmax rescaled at every new max" : "");
     cm384_config c;
@@ -60,7 +63,8 @@ static void check_topology(cm384_model *m, const char *preset, int microbatches,
     c.microbatches = microbatches;
     c.kv_block_tokens = kv_block;
     cm384_engine *e;
-    int r = cm384_engine_create(m, &c, &e);
+    int r = cm384_engine_create(m, preset ? &c : NULL, &e);
+    if (!preset) preset = "NULL config";
     CHECK(r == CM384_OK, "engine_create(%s): %s", preset, cm384_last_error());
     if (r) return;
     if (rescale_always) e->core_slack = 0;
@@ -265,9 +269,9 @@ static void check_v2(const char *dir) {
     for (int pi = 0; pi < 2; pi++) {
         cm384_config c;
         cm384_config_init(&c);
-        c.preset = presets[pi]; c.n_workers = 2; c.int8_dispatch = 0;
-        cm384_engine *e;
-        if (cm384_engine_create(m, &c, &e)) { CHECK(0, "engine: %s", cm384_last_error()); continue; }
+        c.preset = presets[pi]; c.n_workers = 2;
+        cm384_engine *e;      /* the default topology from a NULL config: every default is exact */
+        if (cm384_engine_create(m, pi ? NULL : &c, &e)) { CHECK(0, "engine: %s", cm384_last_error()); continue; }
         e->dbg_route = calloc((size_t)(m->hp.n_layers + 1) * e->max_ctx * K, sizeof(int));
         const json *seqs = json_get(&rj, "sequences"), *rt = json_get(&rj, "routing");
         double worst = 0;
@@ -324,6 +328,7 @@ TEST_MAIN(golden) {
     r = cm384_model_load(FIX, NULL, &m);
     CHECK(r == CM384_OK, "load: %s", cm384_last_error());
     if (r) return test_summary("golden");
+    check_topology(m, NULL, 0, 0, 0);
     check_topology(m, "single", 1, 0, 0);
     check_topology(m, "default", 2, 0, 0);
     check_topology(m, "paper", 2, 0, 0);

@@ -476,6 +476,33 @@ static void test_matmul_vs_scalar(const gl_kernels *k) {
     free(wrow);
 }
 
+/* The scalar matmul converts rows a slab at a time (no heap scratch at any
+ * width) and must still give scalar_dot of the whole converted row, bit for
+ * bit: widths past a slab (DeepSeek-V3's 7168), and more x rows than it
+ * takes at once. */
+static void test_scalar_wide(void) {
+    const gl_kernels *s = gl_kernels_scalar();
+    static const int colss[] = {7168, 5001};
+    for (int type = 0; type < GL_TYPE_COUNT; type++) {
+        if (type == GL_Q8) continue;                  /* W8A8 has its own integer path */
+        for (int ci = 0; ci < 2; ci++) {
+            int cols = colss[ci], rows = type == GL_F8_E4M3 ? 130 : 3, n = 21, ldx = cols + 3, ldy = rows + 1;
+            test_mat t = make_mat(type, rows, cols);
+            test_act a = make_act(s, n, cols, ldx);
+            float *y = xmalloc((size_t)n * ldy * sizeof(float)), *wrow = xmalloc((size_t)cols * sizeof(float));
+            run_mm(s, &t.m, &a, 0, n, y, ldy, 0, rows);
+            int bad = 0;
+            for (int r = 0; r < rows; r++) {
+                gl_row_to_f32(&t.m, r, wrow);
+                for (int i = 0; i < n; i++)
+                    bad += f2u(y[(size_t)i * ldy + r]) != f2u(s->dot(wrow, a.x + (size_t)i * ldx, cols));
+            }
+            check(!bad, "scalar: matmul %s cols=%d n=%d: %d values differ from the whole row's dot", type_name(type), cols, n, bad);
+            free(y); free(wrow); free_act(&a); free_mat(&t);
+        }
+    }
+}
+
 /* W8A8 at the edges of int16 pair sums (maddubs saturates, and a slip
  * there would only show with extreme values): every row and token is all
  * -128, -127 or 127 (activations never -128), in long rows. */
@@ -670,6 +697,7 @@ int main(int argc, char **argv) {
     test_pool_pinned(2);
     test_pool_pinned(4);
     test_pool(4);
+    test_scalar_wide();
     gl_pool *pool2 = gl_pool_create(2), *pool4 = gl_pool_create(4);
     for (int s = 0; s < n_sets; s++) {
         test_set_conversions(sets[s]);
