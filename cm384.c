@@ -4227,6 +4227,8 @@ struct cm384_engine {
     fwd_scratch       s[2];
     int               step_cap, max_ctx;
     region            rg;
+    double          (*dbg_cycle_ms)(void *user, int batch, double ctx_mean, double prefill_tokens);
+    void             *dbg_cycle_user;        /* tests: a virtual clock for the SLO controller */
     /* fabric and counters */
     _Atomic uint64_t *traffic, *msgs;        /* [n_dev][n_dev]                  */
     uint64_t         *busy;                  /* [workers][n_dev] ns             */
@@ -5642,6 +5644,162 @@ void cm384_sampling_init(cm384_sampling *s) {
     s->max_tokens = 128;
 }
 
+/* ---- the SLO controller: the decode batch that holds a TPOT target ---- */
+/* With tpot_target_ms set, the decode batch is as large as it can be while
+ * the p99 time per output token stays under the target.  The controller
+ * learns the decode cycle time (from one decode step's start to the next:
+ * it includes whatever prefill work shares the machine) as a linear model of
+ *     t = a + b*batch + c*batch*context/1000 + d*prefill_tokens/1000
+ * fitted by least squares with forgetting (recent steps count most), and a
+ * p99 factor from the ratio of measured to predicted times over the last
+ * SLO_RING steps.  A step that emits 1.7 tokens per request (MTP) counts as
+ * 1.7 tokens, as the paper's TPOT does.  It never extrapolates far: the cap
+ * grows at most a quarter (or one) past the largest batch it has measured.  When even one
+ * request cannot meet the target, the target is infeasible and is reported
+ * as such (stats, log), not silently missed. */
+
+#define SLO_NF   4          /* model features                               */
+#define SLO_RING 128        /* recent steps for the p99 factor              */
+
+typedef struct slo_ctl {
+    double target_ms;
+    double A[SLO_NF][SLO_NF], y[SLO_NF];    /* normal equations, with forgetting */
+    double theta[SLO_NF];
+    double ratio[SLO_RING];                 /* measured / predicted             */
+    int    n_ratio, n_obs, max_seen;
+    double tok_per_step;                    /* per request, EMA (1 without MTP) */
+    double prefill_rate;                    /* EMA of prefill tokens per cycle  */
+    int    cap, infeasible;
+} slo_ctl;
+
+static void slo_init(slo_ctl *c, double target_ms, int max_batch) {
+    memset(c, 0, sizeof *c);
+    c->target_ms = target_ms;
+    c->tok_per_step = 1;
+    c->cap = max_batch < 2 ? max_batch : 2;     /* start small, grow from measurement */
+}
+
+static void slo_features(double x[SLO_NF], double batch, double ctx_mean, double prefill_tokens) {
+    x[0] = 1;
+    x[1] = batch;
+    x[2] = batch * ctx_mean / 1000;
+    x[3] = prefill_tokens / 1000;
+}
+
+static double slo_predict(const slo_ctl *c, double batch, double ctx_mean, double prefill_tokens) {
+    double x[SLO_NF], t = 0;
+    slo_features(x, batch, ctx_mean, prefill_tokens);
+    for (int i = 0; i < SLO_NF; i++) t += c->theta[i] * x[i];
+    return t;
+}
+
+/* Solves the normal equations over the features in `use` (a bit mask) by
+ * Gaussian elimination, with a small ridge; the others get 0. */
+static void slo_solve_subset(slo_ctl *c, unsigned use, double theta[SLO_NF]) {
+    int idx[SLO_NF], n = 0;
+    for (int i = 0; i < SLO_NF; i++) { theta[i] = 0; if (use >> i & 1) idx[n++] = i; }
+    double M[SLO_NF][SLO_NF + 1], tr = 0;
+    for (int i = 0; i < SLO_NF; i++) tr += c->A[i][i];
+    for (int i = 0; i < n; i++) {
+        for (int j = 0; j < n; j++) M[i][j] = c->A[idx[i]][idx[j]];
+        M[i][i] += 1e-6 * tr + 1e-12;
+        M[i][n] = c->y[idx[i]];
+    }
+    for (int k = 0; k < n; k++) {
+        int piv = k;
+        for (int i = k + 1; i < n; i++) if (fabs(M[i][k]) > fabs(M[piv][k])) piv = i;
+        if (piv != k) for (int j = 0; j <= n; j++) { double t = M[k][j]; M[k][j] = M[piv][j]; M[piv][j] = t; }
+        if (fabs(M[k][k]) < 1e-300) return;
+        for (int i = k + 1; i < n; i++) {
+            double f = M[i][k] / M[k][k];
+            for (int j = k; j <= n; j++) M[i][j] -= f * M[k][j];
+        }
+    }
+    double v[SLO_NF];
+    for (int i = n - 1; i >= 0; i--) {
+        double x = M[i][n];
+        for (int j = i + 1; j < n; j++) x -= M[i][j] * v[j];
+        v[i] = x / M[i][i];
+    }
+    for (int i = 0; i < n; i++) theta[idx[i]] = v[i];
+}
+
+/* Least squares with every cost non-negative (a step never gets faster with
+ * more requests, longer contexts or more prefill): features that come out
+ * negative are dropped and the rest refitted. */
+static void slo_solve(slo_ctl *c) {
+    unsigned use = (1u << SLO_NF) - 1;
+    for (int round = 0; round < SLO_NF; round++) {
+        slo_solve_subset(c, use, c->theta);
+        unsigned neg = 0;
+        for (int i = 1; i < SLO_NF; i++) if (c->theta[i] < 0) neg |= 1u << i;
+        if (!neg) return;
+        use &= ~neg;
+    }
+}
+
+/* The p99 factor: the 99th percentile of measured/predicted (at least 1). */
+static double slo_p99_factor(const slo_ctl *c) {
+    int n = c->n_ratio < SLO_RING ? c->n_ratio : SLO_RING;
+    if (n == 0) return 1;
+    double tmp[SLO_RING];
+    memcpy(tmp, c->ratio, (size_t)n * sizeof(double));
+    for (int i = 1; i < n; i++) {
+        double v = tmp[i]; int j = i;
+        while (j > 0 && tmp[j - 1] > v) { tmp[j] = tmp[j - 1]; j--; }
+        tmp[j] = v;
+    }
+    int k = (int)ceil(0.99 * n) - 1;
+    double f = tmp[k < 0 ? 0 : k];
+    return f > 1 ? f : 1;
+}
+
+/* Predicted p99 time per output token at this batch size and context. */
+static double slo_tpot_p99(const slo_ctl *c, int batch, double ctx_mean) {
+    double t = slo_predict(c, batch, ctx_mean, c->prefill_rate);
+    return t * slo_p99_factor(c) / c->tok_per_step;
+}
+
+/* One decode cycle measured: `batch` requests of mean context ctx_mean took
+ * cycle_ms, while prefill computed prefill_tokens, and each request emitted
+ * tok_per_req tokens on average.  Updates the model. */
+static void slo_observe(slo_ctl *c, int batch, double ctx_mean, double prefill_tokens, double cycle_ms,
+                        double tok_per_req) {
+    if (batch < 1 || !(cycle_ms > 0)) return;
+    double x[SLO_NF];
+    slo_features(x, batch, ctx_mean, prefill_tokens);
+    if (c->n_obs >= SLO_NF) {                  /* how far off the model was */
+        double pred = slo_predict(c, batch, ctx_mean, prefill_tokens);
+        if (pred > 0) c->ratio[c->n_ratio++ % SLO_RING] = cycle_ms / pred;
+    }
+    const double forget = 0.99;
+    for (int i = 0; i < SLO_NF; i++) {
+        for (int j = 0; j < SLO_NF; j++) c->A[i][j] = forget * c->A[i][j] + x[i] * x[j];
+        c->y[i] = forget * c->y[i] + x[i] * cycle_ms;
+    }
+    c->n_obs++;
+    slo_solve(c);
+    double a = c->n_obs == 1 ? 1 : 0.1;
+    c->prefill_rate += a * (prefill_tokens - c->prefill_rate);
+    c->tok_per_step += a * (tok_per_req - c->tok_per_step);
+    if (batch > c->max_seen) c->max_seen = batch;
+}
+
+/* The cap for the next step, whose requests have mean context ctx_next: the
+ * largest batch predicted to hold the target, within reach of what was
+ * measured. */
+static int slo_choose(slo_ctl *c, double ctx_next, int max_batch) {
+    if (c->n_obs == 0) return c->cap;
+    int reach = c->max_seen + (c->max_seen >= 8 ? c->max_seen / 4 : 1);
+    if (reach > max_batch) reach = max_batch;
+    int best = 0;
+    for (int b = 1; b <= reach; b++)
+        if (slo_tpot_p99(c, b, ctx_next) <= c->target_ms) best = b;
+    c->infeasible = best == 0 && c->n_obs >= 8;
+    c->cap = best > 0 ? best : 1;
+    return c->cap;
+}
+
 /* ======================================================================== */
 /* 12. Requests and the scheduler                                           */
 /* ======================================================================== */
@@ -5715,7 +5873,10 @@ typedef struct sched {
     /* scheduler thread only */
     request  *wait_head, *wait_tail;
     request **run;   int n_run, max_run;           /* admitted, in admission order     */
-    int       decode_cap;                          /* SLO-limited decode batch         */
+    int       decode_cap;                          /* SLO-limited running requests     */
+    slo_ctl   slo;                                 /* with tpot_target_ms               */
+    double    slo_last_end;                        /* end of the last decode step, 0 after idling */
+    uint64_t  slo_last_prefilled;                  /* tokens_prefilled then             */
     float    *logits;                              /* [rows_cap][vocab]                */
     int       rows_cap;
     cand     *cands;                               /* [workers][vocab]                 */
@@ -5921,7 +6082,7 @@ static void hand_off(struct cm384_engine *e, request *r) {
     e->dev[best].n_owned++;
 }
 
-static void preempt(struct cm384_engine *e, request *r) {
+static void preempt(struct cm384_engine *e, request *r, const char *why) {
     sched *S = e->sched;
     release_blocks(e, r);
     r->stage = RQ_WAITING;
@@ -5930,8 +6091,8 @@ static void preempt(struct cm384_engine *e, request *r) {
     S->wait_head = r;
     if (!S->wait_tail) S->wait_tail = r;
     S->st.requests_preempted++;
-    engine_log(e, 2, "KV pool full: request %llu preempted after %d tokens; it will be recomputed",
-               (unsigned long long)r->id, r->n_tokens);
+    engine_log(e, 2, "%s: request %llu preempted after %d tokens; it will be recomputed",
+               why, (unsigned long long)r->id, r->n_tokens);
 }
 
 /* Stops a request after its latest token if it is done. */
@@ -6128,7 +6289,7 @@ static int ensure_blocks(struct cm384_engine *e, request *r, int pos) {
         int b = block_get(e);
         while (b < 0) {
             request *victim = S->run[S->n_run - 1];
-            preempt(e, victim);
+            preempt(e, victim, "KV pool full");
             if (victim == r) return -1;
             b = block_get(e);
         }
@@ -6193,11 +6354,74 @@ static void prefill_step(struct cm384_engine *e) {
     }
 }
 
+/* A request's context when it ends: what the controller must plan for,
+ * since an admitted request decodes until it is done. */
+static double slo_final_ctx(const struct cm384_engine *e, const request *r) {
+    long n = (long)r->n_prompt + r->samp.max_tokens;
+    return (double)(n < e->max_ctx ? n : e->max_ctx);
+}
+
+/* How many requests may run (be admitted) now: as many as the SLO
+ * controller predicts can decode together within the target, at the
+ * contexts they will reach.  Requests over the cap wait in the queue (their
+ * wait is TTFT), so no running request's TPOT pays for admitting more. */
+static int slo_admit_cap(struct cm384_engine *e) {
+    sched *S = e->sched;
+    if (!(e->cfg.tpot_target_ms > 0)) return S->max_run;
+    double ctx = 0;
+    int n = 0;
+    for (int i = 0; i < S->n_run; i++) { ctx += slo_final_ctx(e, S->run[i]); n++; }
+    if (S->wait_head) { ctx += slo_final_ctx(e, S->wait_head); n++; }
+    if (!n) return S->decode_cap;
+    int was = S->slo.infeasible;
+    S->decode_cap = slo_choose(&S->slo, ctx / n, S->max_run);
+    if (S->slo.infeasible && !was)
+        engine_log(e, 2, "SLO: a TPOT of %.2f ms is infeasible here: one request alone is predicted at %.2f ms (p99)",
+                   e->cfg.tpot_target_ms, slo_tpot_p99(&S->slo, 1, ctx / n));
+    return S->decode_cap;
+}
+
+/* Feeds the controller the cycle just measured: from the end of the last
+ * decode step to the end of this one (prefill work in between included). */
+static void slo_after_step(struct cm384_engine *e, request **rq, int nr, int emitted) {
+    sched *S = e->sched;
+    if (!(e->cfg.tpot_target_ms > 0) || nr <= 0) return;
+    double t = now_ms(), ctx = 0;
+    for (int i = 0; i < nr; i++) ctx += rq[i]->n_tokens;
+    ctx /= nr;
+    double prefill = (double)(S->st.tokens_prefilled - S->slo_last_prefilled);
+    double cycle = S->slo_last_end > 0 ? t - S->slo_last_end : 0;
+    if (e->dbg_cycle_ms) cycle = e->dbg_cycle_ms(e->dbg_cycle_user, nr, ctx, prefill);   /* a test's clock */
+    if (cycle > 0) slo_observe(&S->slo, nr, ctx, prefill, cycle, (double)emitted / nr);
+    S->slo_last_end = t;
+    S->slo_last_prefilled = S->st.tokens_prefilled;
+}
+
+/* The SLO's safety valve: when the requests decoding now are predicted to
+ * miss the target at the contexts they have reached (the controller learnt
+ * something new, say what context costs), the most recently admitted go
+ * back to the queue -- recomputed later, the same tokens -- until the rest
+ * hold it.  Admission plans at the contexts requests will end with, so an
+ * evicted request is not taken back until the batch can carry it. */
+static void slo_evict(struct cm384_engine *e) {
+    sched *S = e->sched;
+    if (!(e->cfg.tpot_target_ms > 0) || S->slo.n_obs < 8) return;
+    for (;;) {
+        int n = 0, newest = -1;
+        double ctx = 0;
+        for (int i = 0; i < S->n_run; i++)
+            if (S->run[i]->stage == RQ_DECODE) { n++; ctx += S->run[i]->n_tokens; newest = i; }
+        if (n <= 1 || slo_tpot_p99(&S->slo, n, ctx / n) <= e->cfg.tpot_target_ms) return;
+        preempt(e, S->run[newest], "SLO: the decode batch would miss its TPOT target");
+    }
+}
+
 static void decode_step(struct cm384_engine *e) {
     sched *S = e->sched;
+    slo_evict(e);
     request *rq[4096];
     int cnt[4096], first[4096], nr = 0, rows = 0;
-    for (int i = 0; i < S->n_run && nr < S->decode_cap && rows + 2 <= S->rows_cap && nr < 4096; i++) {
+    for (int i = 0; i < S->n_run && rows + 2 <= S->rows_cap && nr < 4096; i++) {
         request *r = S->run[i];
         if (r->n_tokens - r->n_computed != 1) continue;
         if (r->stage == RQ_PREFILL) hand_off(e, r);            /* everything but the last token was cached */
@@ -6233,10 +6457,9 @@ static void decode_step(struct cm384_engine *e) {
     if (step_failed(e, rq, nr)) return;
     double dt = now_ms() - t0;
     S->st.decode_seconds += dt / 1e3;
-    if (e->cfg.tpot_target_ms > 0) {                /* SLO: shrink or grow the batch */
-        if (dt > e->cfg.tpot_target_ms && S->decode_cap > 1) S->decode_cap = nr > 1 ? nr - 1 : 1;
-        else if (dt < 0.8 * e->cfg.tpot_target_ms && S->decode_cap < S->max_run) S->decode_cap++;
-    }
+    int emitted = nr;
+    for (int i = 0; i < nr; i++) emitted += rq[i]->drafting && rq[i]->accepted;
+    slo_after_step(e, rq, nr, emitted);
     for (int i = 0; i < nr; i++) {
         request *r = rq[i];
         int second = r->drafting && r->accepted;
@@ -6276,8 +6499,8 @@ static void sched_step(struct cm384_engine *e) {
             pp = &r->next;
         }
     }
-    /* 2. admission */
-    while (S->wait_head && S->n_run < S->max_run) {
+    /* 2. admission (within the SLO controller's cap) */
+    while (S->wait_head && S->n_run < slo_admit_cap(e)) {
         request *r = S->wait_head;
         if (!admit(e, r)) break;
         S->wait_head = r->next;
@@ -6307,6 +6530,7 @@ static void *sched_main(void *arg) {
         }
         if (!S->wait_head && !S->n_run) {
             if (e->stopping) break;
+            S->slo_last_end = 0;                 /* an idle gap is not a decode cycle */
             pthread_cond_wait(&e->cv_work, &e->mu);
             continue;
         }
@@ -6352,6 +6576,8 @@ int cm384_get_stats(cm384_engine *e, cm384_stats *out) {
     pthread_mutex_lock(&S->step_mu);          /* block state belongs to the scheduler */
     st.kv_blocks_used = (uint64_t)(e->kv.n_blocks - e->n_free);
     st.kv_blocks_cached = (uint64_t)e->n_cached;
+    st.decode_batch_cap = S->decode_cap;
+    st.slo_infeasible = S->slo.infeasible;
     uint64_t mx = 0, sum = 0;
     int n_exp = 0;
     for (int d = 0; d < e->n_dev; d++) {
@@ -6492,6 +6718,9 @@ int cm384_report(cm384_engine *e, char *buf, size_t cap) {
                   100.0 * st.mtp_accepted / st.mtp_drafted, 1.0 + (double)st.mtp_accepted / st.mtp_drafted);
     sb_printf(&b, "latency: TTFT p50 %.1f ms p99 %.1f ms, TPOT p50 %.2f ms p99 %.2f ms\n",
               st.ttft_p50_ms, st.ttft_p99_ms, st.tpot_p50_ms, st.tpot_p99_ms);
+    if (e->cfg.tpot_target_ms > 0)
+        sb_printf(&b, "SLO: TPOT target %.2f ms, decode batch %d%s\n", e->cfg.tpot_target_ms, st.decode_batch_cap,
+                  st.slo_infeasible ? " (infeasible: one request alone misses the target)" : "");
     sb_printf(&b, "fabric: dispatch %.2f MB (bf16 would be %.2f MB, %s), combine %.2f MB (bf16 %.2f MB), "
               "KV hand-off %.2f MB, %llu messages\n",
               mb_of(st.dispatch_bytes), mb_of(st.dispatch_bytes_bf16), e->cfg.int8_dispatch ? "INT8" : "fp32",
@@ -6777,6 +7006,7 @@ int cm384_engine_create(const cm384_model *m, const cm384_config *cfg, cm384_eng
         pthread_mutex_init(&S->step_mu, NULL);
         S->max_run = c.max_batch;
         S->decode_cap = c.max_batch;
+        if (c.tpot_target_ms > 0) { slo_init(&S->slo, c.tpot_target_ms, c.max_batch); S->decode_cap = S->slo.cap; }
         e->mtp = c.mtp && hp->n_mtp > 0;
         int rows = (e->mtp ? 2 : 1) * c.max_batch + 16;       /* a draft adds a row */
         S->rows_cap = rows < e->step_cap ? rows : e->step_cap;

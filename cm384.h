@@ -323,9 +323,13 @@ typedef struct cm384_config {
     int          mtp;              /* 1: speculative decoding with the MTP layer
                                       when the model has one (same tokens);
                                       0 (default)                                    */
-    double       tpot_target_ms;   /* SLO: cap the decode batch to keep time per
-                                      output token under this, finite and >= 0
-                                      (0 = no cap)                                   */
+    double       tpot_target_ms;   /* SLO: the decode batch is the largest whose p99
+                                      time per output token stays under this, learnt
+                                      from measured step times (per batch size and
+                                      context; prefill interference and MTP's extra
+                                      tokens included).  Finite and >= 0 (0 = no
+                                      target).  A target one request cannot meet is
+                                      reported (stats, log), not silently missed     */
     /* observability */
     const char  *trace_path;       /* write a Chrome-trace JSON here (NULL = off)    */
     cm384_log_fn log;              /* topology at creation, preemptions, expert
@@ -479,6 +483,10 @@ typedef struct cm384_stats {
     /* placement */
     int      n_devices, n_workers, n_prefill_devices, n_attn_devices, n_expert_devices;
     double   expert_load_max_over_mean;   /* tokens per expert device, max/mean  */
+    /* the SLO controller (tpot_target_ms) */
+    int      decode_batch_cap;        /* the decode batch it allows now (max_batch
+                                         without a target)                         */
+    int      slo_infeasible;          /* 1: even one request alone misses the target */
 } cm384_stats;
 
 CM384_API int  cm384_get_stats(cm384_engine *e, cm384_stats *out);

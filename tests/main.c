@@ -16,6 +16,7 @@
 #include "test_model.c"
 #include "test_api.c"
 #include "test_trust.c"
+#include "test_slo.c"
 
 static const struct {
     const char *name;
@@ -30,6 +31,7 @@ static const struct {
     {"model", test_main_model},
     {"api", test_main_api},
     {"trust", test_main_trust},
+    {"slo", test_main_slo},
 };
 
 int main(int argc, char **argv) {

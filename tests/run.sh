@@ -37,12 +37,12 @@ T="$B/cm384_tests"
 [ -f "$B/models/v3-width/config.json" ] ||
     "$B/gen_synth" --preset tiny --set hidden_size=7168 --no-index "$B/models/v3-width" >/dev/null 2>&1 ||
     echo "   (could not generate $B/models/v3-width)"
-for t in tokenizer kernels golden loader engine alloc model api trust; do
+for t in tokenizer kernels golden loader engine alloc model api trust slo; do
     step "$t" "$T" $t
 done
 
 # the same under AddressSanitizer + UndefinedBehaviorSanitizer
-for t in tokenizer kernels golden loader api trust; do
+for t in tokenizer kernels golden loader api trust slo; do
     step "asan+ubsan $t" env ASAN_OPTIONS=detect_leaks=1 "$B/asan/cm384_tests" $t
 done
 step "asan+ubsan model" env CM384_QUICK=1 ASAN_OPTIONS=detect_leaks=1 "$B/asan/cm384_tests" model
@@ -51,6 +51,7 @@ step "asan+ubsan engine" env CM384_QUICK=1 ASAN_OPTIONS=detect_leaks=1 "$B/asan/
 # threaded tests under ThreadSanitizer
 step "tsan engine" env CM384_QUICK=1 TSAN_OPTIONS="halt_on_error=1" "$B/tsan/cm384_tests" engine
 step "tsan kernels (pool)" env CM384_QUICK=1 TSAN_OPTIONS="halt_on_error=1" "$B/tsan/cm384_tests" kernels
+step "tsan slo" env TSAN_OPTIONS="halt_on_error=1" "$B/tsan/cm384_tests" slo
 
 # the trained default model: cm384 perplexity reproduces the trainer's validation loss
 expect=$(sed -n 's/.*"val_loss": *\([0-9.]*\).*/\1/p' models/shakespeare/reference.json | head -n 1)
