@@ -1630,8 +1630,10 @@ struct tokenizer {
     pretok_step steps[TOK_MAX_STEPS]; int n_steps;
     int         bos_id, eos_id;
     const char *bos_text;            /* what the chat template writes as BOS   */
-    int         chat_r1;             /* template strips "...</think>" (R1)     */
-    int         chat_r1_think;       /* generation prompt ends with "<think>\n" */
+    const char *eos_text;            /* ... and as EOS (DeepSeek-V2's formats) */
+    int         chat_format;         /* CM384_CHAT_*, or CM384_E_NOT_FOUND (no
+                                        template), CM384_E_UNSUPPORTED (unknown) */
+    uint64_t    chat_template_hash;  /* of the canonical text, for messages    */
 };
 
 /* GPT-2's byte map: printable Latin-1 bytes stand for themselves; the other
@@ -2180,10 +2182,13 @@ static int token_id_of_text(const tok_loader *L, const char *s, int n) {
     return vocab_find(L, s, (size_t)n);
 }
 
+static void tokenizer_set_chat_template(tokenizer *t, const char *tpl, size_t len);
+
 static int load_config(tok_loader *L, const char *config_path) {
     tokenizer *t = L->t;
     t->bos_id = t->eos_id = -1;
-    t->bos_text = "";
+    t->bos_text = t->eos_text = "";
+    t->chat_format = CM384_E_NOT_FOUND;
     if (!config_path || !file_exists(config_path)) return CM384_OK;
     json cfg;
     int r = json_load_file(config_path, &L->tmp, &cfg);
@@ -2197,22 +2202,24 @@ static int load_config(tok_loader *L, const char *config_path) {
         if (!copy) return fail(CM384_E_NOMEM, "%s: out of memory", config_path);
         t->bos_text = copy;
     }
-    if ((s = config_token_text(&cfg, "eos_token", &n))) t->eos_id = token_id_of_text(L, s, n);
+    if ((s = config_token_text(&cfg, "eos_token", &n))) {
+        t->eos_id = token_id_of_text(L, s, n);
+        char *copy = arena_strndup(&t->mem, s, (size_t)n);
+        if (!copy) return fail(CM384_E_NOMEM, "%s: out of memory", config_path);
+        t->eos_text = copy;
+    }
     /* chat_template: a string, or a list of {name, template} */
     const json *ct = json_get(&cfg, "chat_template");
-    const char *tpl = NULL;
-    if (ct && ct->type == JSON_STRING) tpl = ct->str;
+    const json *tpl = NULL;
+    if (ct && ct->type == JSON_STRING) tpl = ct;
     else if (ct && ct->type == JSON_ARRAY) {
         for (int i = 0; i < ct->len; i++) {
-            const char *name = json_str(&ct->kids[i], "name", NULL), *text = json_str(&ct->kids[i], "template", NULL);
-            if (text && (!tpl || (name && !strcmp(name, "default")))) tpl = text;
+            const char *name = json_str(&ct->kids[i], "name", NULL);
+            const json *text = json_get(&ct->kids[i], "template");
+            if (text && text->type == JSON_STRING && (!tpl || (name && !strcmp(name, "default")))) tpl = text;
         }
     }
-    if (tpl) {
-        t->chat_r1 = strstr(tpl, "</think>") != NULL;
-        /* the newline may be a real one or a Jinja "\n" escape */
-        t->chat_r1_think = strstr(tpl, "<｜Assistant｜><think>\n") || strstr(tpl, "<｜Assistant｜><think>\\n");
-    }
+    if (tpl) tokenizer_set_chat_template(t, tpl->str, (size_t)tpl->len);
     return CM384_OK;
 }
 
@@ -2753,32 +2760,188 @@ static int detok_stream_flush(cm384_detok_stream *s, char *out, size_t cap) {
 }
 
 /* ---- 3f. Chat format ---------------------------------------------------- */
-/* DeepSeek-V3's chat template (tokenizer_config.json), reproduced in C.  What
- * it does, in the template's own terms:
- *   - BOS text, then every system message's content joined by "\n\n";
- *   - user: "<｜User｜>" + content;
- *   - assistant with content: "<｜Assistant｜>" + content + "<｜end▁of▁sentence｜>",
- *     or, right after tool outputs, "<｜tool▁outputs▁end｜>" + content + EOS;
- *   - assistant without content (tool calls): the first tool call of the
- *     whole conversation opens "<｜Assistant｜><｜tool▁calls▁begin｜>"; later
- *     calls (ns.is_first is never reset) start with "\n" and are each
- *     followed by "<｜tool▁calls▁end｜><｜end▁of▁sentence｜>", so a lone call
- *     never closes (the original V3 quirk);
- *   - tool: the first tool output of the conversation opens
- *     "<｜tool▁outputs▁begin｜>", later ones start with "\n";
- *   - after the loop, "<｜tool▁outputs▁end｜>" if the last turn was a tool
- *     output, else "<｜Assistant｜>" when a generation prompt is asked for.
- * An assistant message with content takes the content branch and its tool
- * calls are not written (as in V3's template).  Unknown roles are skipped.
- * Content NULL is only allowed for an assistant (the template would fail on
- * "a" + none).  BOS is tokenizer_config.json's bos_token text ("" without
- * one); without a chat_template the V3 format is used all the same.
- * If the template looks like DeepSeek-R1's (it mentions "</think>"), an
- * assistant's content in history keeps only what follows the last
- * "</think>", as R1's template does, and if it ends the generation prompt
- * with "<think>\n" so does this.  Only V3's behaviour is tested. */
+/* DeepSeek's chat templates (the Jinja text in tokenizer_config.json, or a
+ * GGUF's tokenizer.chat_template), reproduced in C -- no Jinja engine.  The
+ * model's template is recognised by its text, never guessed: it is brought to
+ * a canonical form (what a Jinja parser would see -- whitespace inside tags,
+ * the spelling of string escapes, "-" trims and layout-only blank runs
+ * between tags do not matter, everything else does), hashed, and looked up
+ * among the templates DeepSeek shipped.  An unknown template makes
+ * cm384_chat_render() fail and name the hash; the caller may then choose a
+ * format explicitly with cm384_chat_render_format().
+ *
+ * The formats, in the templates' own terms (BOS and EOS are the
+ * tokenizer_config's bos_token and eos_token text):
+ *   deepseek-v2      (V2-Chat, V2-Lite-Chat, deepseek-llm-chat): BOS, then per
+ *                    message, in order: system content + "\n\n"; "User: " +
+ *                    content + "\n\n"; "Assistant: " + content + EOS; other
+ *                    roles skipped.  Generation prompt "Assistant:".
+ *   deepseek-v2-0628 (V2-Chat-0628): the same with "<｜User｜>" + content and
+ *                    "<｜Assistant｜>" + content + EOS.
+ *   deepseek-v2.5    (V2.5, Coder-V2): BOS + the LAST system message's
+ *                    content, then the turns as in V3 below.
+ *   deepseek-v3      BOS + every system content joined by "\n\n", then:
+ *                    user "<｜User｜>" + content; assistant with content
+ *                    "<｜Assistant｜>" + content + "<｜end▁of▁sentence｜>", or
+ *                    right after tool outputs "<｜tool▁outputs▁end｜>" +
+ *                    content + EOS; assistant without content (tool calls):
+ *                    the first call of the whole conversation opens
+ *                    "<｜Assistant｜><｜tool▁calls▁begin｜>", later calls
+ *                    start with "\n" and are each followed by
+ *                    "<｜tool▁calls▁end｜><｜end▁of▁sentence｜>" (ns.is_first
+ *                    is never reset, so a lone call never closes); tool: the
+ *                    first output opens "<｜tool▁outputs▁begin｜>", later ones
+ *                    start with "\n"; after the loop "<｜tool▁outputs▁end｜>"
+ *                    if the last turn was a tool output, else "<｜Assistant｜>"
+ *                    for a generation prompt.  An assistant message with
+ *                    content takes the content branch: its tool calls are not
+ *                    written.
+ *   deepseek-r1      V2.5's turns, but an assistant's content in history
+ *                    keeps only what follows its last "</think>", and the
+ *                    generation prompt is "<｜Assistant｜><think>\n".
+ * Content NULL is allowed only for an assistant in the tool-call formats (the
+ * templates fail on "a" + none).  Goldens: tests/fixtures/chat. */
 
 static void sink_str(tok_sink *k, const char *s) { sink_put(k, s, strlen(s)); }
+
+typedef struct { char *p; size_t n, cap; int oom; } chat_buf;
+
+static void cbuf_put(chat_buf *b, const char *s, size_t n) {
+    if (b->oom) return;
+    if (b->n + n + 1 > b->cap) {
+        size_t cap = b->cap ? b->cap : 256;
+        while (cap < b->n + n + 1) cap *= 2;
+        char *p = realloc(b->p, cap);
+        if (!p) { b->oom = 1; return; }
+        b->p = p; b->cap = cap;
+    }
+    memcpy(b->p + b->n, s, n);
+    b->n += n;
+    b->p[b->n] = 0;
+}
+
+static int is_blank(char c) { return c == ' ' || c == '\t' || c == '\n' || c == '\r'; }
+static int is_word(char c) { return (c >= 'a' && c <= 'z') || (c >= 'A' && c <= 'Z') || (c >= '0' && c <= '9') || c == '_'; }
+
+/* The canonical form of a Jinja template: text outside tags as is (minus
+ * what "-" trims remove, and dropping runs made only of blanks); inside
+ * {{ }} and {% %} no whitespace (one space between two words), string
+ * literals decoded and written back single-quoted; comments dropped.
+ * Returns a malloc'd string (NULL when out of memory). */
+static char *chat_template_canonical(const char *t, size_t n) {
+    chat_buf b = {0};
+    cbuf_put(&b, "", 0);
+    size_t i = 0, text_start = 0;   /* start of the pending text run in b */
+    int trim_next = 0;
+    while (i < n && !b.oom) {
+        if (i + 1 < n && t[i] == '{' && (t[i + 1] == '{' || t[i + 1] == '%' || t[i + 1] == '#')) {
+            char open = t[i + 1], close = open == '{' ? '}' : open;
+            size_t j = i + 2;
+            int lstrip = j < n && t[j] == '-';
+            if (lstrip) j++;
+            /* the pending text: left-trimmed by "-", dropped when blank */
+            size_t e = b.n;
+            if (lstrip) while (e > text_start && is_blank(b.p[e - 1])) e--;
+            int blank = 1;
+            for (size_t q = text_start; q < e; q++) if (!is_blank(b.p[q])) blank = 0;
+            b.n = blank ? text_start : e;
+            b.p[b.n] = 0;
+            if (open != '#') { char o[3] = {'{', open, 0}; cbuf_put(&b, o, 2); }
+            int rtrim = 0;
+            char prev = 0;
+            while (j < n) {
+                if (t[j] == '-' && j + 2 < n && t[j + 1] == close && t[j + 2] == '}') { rtrim = 1; j++; continue; }
+                if (j + 1 < n && t[j] == close && t[j + 1] == '}') break;
+                if (open == '#') { j++; continue; }
+                if (is_blank(t[j])) {
+                    while (j < n && is_blank(t[j])) j++;
+                    if (j < n && is_word(prev) && is_word(t[j])) { cbuf_put(&b, " ", 1); prev = ' '; }
+                    continue;
+                }
+                if (t[j] == '\'' || t[j] == '"') {
+                    char q = t[j++];
+                    cbuf_put(&b, "'", 1);
+                    while (j < n && t[j] != q) {
+                        char c = t[j++];
+                        if (c == '\\' && j < n) {
+                            c = t[j++];
+                            c = c == 'n' ? '\n' : c == 't' ? '\t' : c == 'r' ? '\r' : c;
+                        }
+                        if (c == '\'' || c == '\\') cbuf_put(&b, "\\", 1);
+                        cbuf_put(&b, &c, 1);
+                    }
+                    j++;
+                    cbuf_put(&b, "'", 1);
+                    prev = '\'';
+                    continue;
+                }
+                cbuf_put(&b, &t[j], 1);
+                prev = t[j++];
+            }
+            if (open != '#') { char c2[3] = {close, '}', 0}; cbuf_put(&b, c2, 2); }
+            i = j + 2;
+            trim_next = rtrim;
+            text_start = b.n;
+            continue;
+        }
+        if (trim_next && is_blank(t[i])) { i++; continue; }
+        trim_next = 0;
+        cbuf_put(&b, &t[i], 1);
+        i++;
+    }
+    /* trailing text */
+    int blank = 1;
+    for (size_t q = text_start; q < b.n; q++) if (!is_blank(b.p[q])) blank = 0;
+    if (blank && b.p) { b.n = text_start; b.p[b.n] = 0; }
+    if (b.oom) { free(b.p); return NULL; }
+    return b.p;
+}
+
+static uint64_t fnv1a64(const char *s, size_t n) {
+    uint64_t h = 0xcbf29ce484222325ull;
+    for (size_t i = 0; i < n; i++) { h ^= (uint8_t)s[i]; h *= 0x100000001b3ull; }
+    return h;
+}
+
+/* The templates DeepSeek shipped, by the hash of their canonical form (the
+ * texts are in tests/fixtures/chat, with where each came from). */
+static const struct { uint64_t hash; int format; const char *what; } chat_known[] = {
+    {0x5b1c0db29d067ebcull, CM384_CHAT_DEEPSEEK_V2, "DeepSeek-V2-Chat / V2-Lite-Chat"},
+    {0x674501398298734full, CM384_CHAT_DEEPSEEK_V2_0628, "DeepSeek-V2-Chat-0628"},
+    {0xb044f4b4a7efcb93ull, CM384_CHAT_DEEPSEEK_V25, "DeepSeek-V2.5"},
+    {0xa14973c6592b3d06ull, CM384_CHAT_DEEPSEEK_V3, "DeepSeek-V3"},
+    {0x3d7301c202fd853bull, CM384_CHAT_DEEPSEEK_R1, "DeepSeek-R1"},
+};
+
+static const char *chat_format_name(int format) {
+    switch (format) {
+    case CM384_CHAT_DEEPSEEK_V2:      return "deepseek-v2";
+    case CM384_CHAT_DEEPSEEK_V2_0628: return "deepseek-v2-0628";
+    case CM384_CHAT_DEEPSEEK_V25:     return "deepseek-v2.5";
+    case CM384_CHAT_DEEPSEEK_V3:      return "deepseek-v3";
+    case CM384_CHAT_DEEPSEEK_R1:      return "deepseek-r1";
+    default:                          return NULL;
+    }
+}
+
+/* The format a template's text is, CM384_E_UNSUPPORTED if none (*hash gets
+ * the canonical hash), CM384_E_NOMEM. */
+static int chat_template_format(const char *tpl, size_t len, uint64_t *hash) {
+    char *c = chat_template_canonical(tpl, len);
+    if (!c) return CM384_E_NOMEM;
+    uint64_t h = fnv1a64(c, strlen(c));
+    free(c);
+    if (hash) *hash = h;
+    for (size_t i = 0; i < sizeof chat_known / sizeof chat_known[0]; i++)
+        if (chat_known[i].hash == h) return chat_known[i].format;
+    return CM384_E_UNSUPPORTED;
+}
+
+/* The template that came with the tokenizer (tokenizer_config.json or a
+ * GGUF's tokenizer.chat_template). */
+static void tokenizer_set_chat_template(tokenizer *t, const char *tpl, size_t len) {
+    t->chat_format = chat_template_format(tpl, len, &t->chat_template_hash);
+}
 
 static void chat_tool_call(tok_sink *k, const cm384_tool_call *tc) {
     sink_str(k, tc->type ? tc->type : "function");
@@ -2789,13 +2952,113 @@ static void chat_tool_call(tok_sink *k, const cm384_tool_call *tc) {
     sink_str(k, "\n```<｜tool▁call▁end｜>");
 }
 
-static int chat_render(const tokenizer *t, const cm384_chat_msg *msgs, int n, unsigned flags, char *out, size_t cap) {
+/* deepseek-v2 and -0628: one pass, each message in place. */
+static void chat_render_v2(const tokenizer *t, int format, const cm384_chat_msg *msgs, int n, unsigned flags, tok_sink *k) {
+    int v0628 = format == CM384_CHAT_DEEPSEEK_V2_0628;
+    sink_str(k, t->bos_text);
+    for (int i = 0; i < n; i++) {
+        const cm384_chat_msg *m = &msgs[i];
+        if (!strcmp(m->role, "user")) {
+            sink_str(k, v0628 ? "<｜User｜>" : "User: ");
+            sink_str(k, m->content);
+            if (!v0628) sink_str(k, "\n\n");
+        } else if (!strcmp(m->role, "assistant")) {
+            sink_str(k, v0628 ? "<｜Assistant｜>" : "Assistant: ");
+            sink_str(k, m->content);
+            sink_str(k, t->eos_text);
+        } else if (!strcmp(m->role, "system")) {
+            sink_str(k, m->content);
+            sink_str(k, "\n\n");
+        }
+    }
+    if (flags & CM384_CHAT_ADD_GENERATION_PROMPT) sink_str(k, v0628 ? "<｜Assistant｜>" : "Assistant:");
+}
+
+/* deepseek-v2.5, -v3 and -r1. */
+static void chat_render_tools(const tokenizer *t, int format, const cm384_chat_msg *msgs, int n, unsigned flags, tok_sink *k) {
+    sink_str(k, t->bos_text);
+    if (format == CM384_CHAT_DEEPSEEK_V3) {
+        int first_sp = 1;
+        for (int i = 0; i < n; i++) {
+            if (strcmp(msgs[i].role, "system")) continue;
+            if (!first_sp) sink_str(k, "\n\n");
+            sink_str(k, msgs[i].content);
+            first_sp = 0;
+        }
+    } else {
+        const char *sp = "";
+        for (int i = 0; i < n; i++)
+            if (!strcmp(msgs[i].role, "system")) sp = msgs[i].content;
+        sink_str(k, sp);
+    }
+    int is_first = 0, is_tool = 0, is_output_first = 1;
+    for (int i = 0; i < n; i++) {
+        const cm384_chat_msg *m = &msgs[i];
+        if (!strcmp(m->role, "user")) {
+            is_tool = 0;
+            sink_str(k, "<｜User｜>");
+            sink_str(k, m->content);
+        } else if (!strcmp(m->role, "assistant") && !m->content) {
+            is_tool = 0;
+            for (int j = 0; j < m->n_tool_calls; j++) {
+                if (!is_first) {
+                    sink_str(k, "<｜Assistant｜><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>");
+                    chat_tool_call(k, &m->tool_calls[j]);
+                    is_first = 1;
+                } else {
+                    sink_str(k, "\n<｜tool▁call▁begin｜>");
+                    chat_tool_call(k, &m->tool_calls[j]);
+                    sink_str(k, "<｜tool▁calls▁end｜><｜end▁of▁sentence｜>");
+                }
+            }
+        } else if (!strcmp(m->role, "assistant")) {
+            if (is_tool) {
+                sink_str(k, "<｜tool▁outputs▁end｜>");
+                sink_str(k, m->content);
+                sink_str(k, "<｜end▁of▁sentence｜>");
+                is_tool = 0;
+            } else {
+                const char *c = m->content, *th;
+                if (format == CM384_CHAT_DEEPSEEK_R1)
+                    while ((th = strstr(c, "</think>"))) c = th + 8;
+                sink_str(k, "<｜Assistant｜>");
+                sink_str(k, c);
+                sink_str(k, "<｜end▁of▁sentence｜>");
+            }
+        } else if (!strcmp(m->role, "tool")) {
+            is_tool = 1;
+            sink_str(k, is_output_first ? "<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>" : "\n<｜tool▁output▁begin｜>");
+            sink_str(k, m->content);
+            sink_str(k, "<｜tool▁output▁end｜>");
+            is_output_first = 0;
+        }
+    }
+    if (is_tool) sink_str(k, "<｜tool▁outputs▁end｜>");
+    if ((flags & CM384_CHAT_ADD_GENERATION_PROMPT) && !is_tool)
+        sink_str(k, format == CM384_CHAT_DEEPSEEK_R1 ? "<｜Assistant｜><think>\n" : "<｜Assistant｜>");
+}
+
+/* format CM384_CHAT_MODEL: the one recognised from the tokenizer's template. */
+static int chat_render(const tokenizer *t, int format, const cm384_chat_msg *msgs, int n, unsigned flags, char *out, size_t cap) {
     if (!t || n < 0 || (n > 0 && !msgs) || (!out && cap > 0)) return fail(CM384_E_INVALID, "chat_render: bad argument");
+    if (format == CM384_CHAT_MODEL) {
+        format = t->chat_format;
+        if (format == CM384_E_NOT_FOUND)
+            return fail(CM384_E_UNSUPPORTED, "chat_render: the model has no chat template (tokenizer_config.json's chat_template); "
+                        "choose a format with cm384_chat_render_format()");
+        if (format < 0)
+            return fail(CM384_E_UNSUPPORTED, "chat_render: the model's chat template is not one cm384 knows (canonical hash "
+                        "%016llx; known: DeepSeek-V2, V2-0628, V2.5, V3, R1); choose a format with cm384_chat_render_format()",
+                        (unsigned long long)t->chat_template_hash);
+    }
+    if (!chat_format_name(format)) return fail(CM384_E_INVALID, "chat_render: unknown chat format %d", format);
+    int tools = format == CM384_CHAT_DEEPSEEK_V25 || format == CM384_CHAT_DEEPSEEK_V3 || format == CM384_CHAT_DEEPSEEK_R1;
     for (int i = 0; i < n; i++) {
         const cm384_chat_msg *m = &msgs[i];
         if (!m->role) return fail(CM384_E_INVALID, "chat_render: message %d has no role", i);
-        if (!m->content && (!strcmp(m->role, "user") || !strcmp(m->role, "system") || !strcmp(m->role, "tool")))
-            return fail(CM384_E_INVALID, "chat_render: message %d (%s) has no content", i, m->role);
+        if (!m->content && (!tools || !strcmp(m->role, "user") || !strcmp(m->role, "system") || !strcmp(m->role, "tool")))
+            return fail(CM384_E_INVALID, "chat_render: message %d (%s) has no content%s", i, m->role,
+                        tools ? "" : " (this chat format has no tool calls)");
         if (m->n_tool_calls < 0 || (m->n_tool_calls > 0 && !m->tool_calls))
             return fail(CM384_E_INVALID, "chat_render: message %d has bad tool calls", i);
         for (int j = 0; j < m->n_tool_calls; j++)
@@ -2803,59 +3066,8 @@ static int chat_render(const tokenizer *t, const cm384_chat_msg *msgs, int n, un
                 return fail(CM384_E_INVALID, "chat_render: message %d tool call %d needs a name and arguments", i, j);
     }
     tok_sink k = {out, cap ? cap - 1 : 0, 0};
-    sink_str(&k, t->bos_text);
-    int first_sp = 1;
-    for (int i = 0; i < n; i++) {
-        if (strcmp(msgs[i].role, "system")) continue;
-        if (!first_sp) sink_str(&k, "\n\n");
-        sink_str(&k, msgs[i].content);
-        first_sp = 0;
-    }
-    int is_first = 0, is_tool = 0, is_output_first = 1;
-    for (int i = 0; i < n; i++) {
-        const cm384_chat_msg *m = &msgs[i];
-        if (!strcmp(m->role, "user")) {
-            is_tool = 0;
-            sink_str(&k, "<｜User｜>");
-            sink_str(&k, m->content);
-        } else if (!strcmp(m->role, "assistant") && !m->content) {
-            is_tool = 0;
-            for (int j = 0; j < m->n_tool_calls; j++) {
-                if (!is_first) {
-                    sink_str(&k, "<｜Assistant｜><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>");
-                    chat_tool_call(&k, &m->tool_calls[j]);
-                    is_first = 1;
-                } else {
-                    sink_str(&k, "\n<｜tool▁call▁begin｜>");
-                    chat_tool_call(&k, &m->tool_calls[j]);
-                    sink_str(&k, "<｜tool▁calls▁end｜><｜end▁of▁sentence｜>");
-                }
-            }
-        } else if (!strcmp(m->role, "assistant")) {
-            if (is_tool) {
-                sink_str(&k, "<｜tool▁outputs▁end｜>");
-                sink_str(&k, m->content);
-                sink_str(&k, "<｜end▁of▁sentence｜>");
-                is_tool = 0;
-            } else {
-                const char *c = m->content, *th;
-                if (t->chat_r1)
-                    while ((th = strstr(c, "</think>"))) c = th + 8;
-                sink_str(&k, "<｜Assistant｜>");
-                sink_str(&k, c);
-                sink_str(&k, "<｜end▁of▁sentence｜>");
-            }
-        } else if (!strcmp(m->role, "tool")) {
-            is_tool = 1;
-            sink_str(&k, is_output_first ? "<｜tool▁outputs▁begin｜><｜tool▁output▁begin｜>" : "\n<｜tool▁output▁begin｜>");
-            sink_str(&k, m->content);
-            sink_str(&k, "<｜tool▁output▁end｜>");
-            is_output_first = 0;
-        }
-    }
-    if (is_tool) sink_str(&k, "<｜tool▁outputs▁end｜>");
-    if ((flags & CM384_CHAT_ADD_GENERATION_PROMPT) && !is_tool)
-        sink_str(&k, t->chat_r1_think ? "<｜Assistant｜><think>\n" : "<｜Assistant｜>");
+    if (tools) chat_render_tools(t, format, msgs, n, flags, &k);
+    else chat_render_v2(t, format, msgs, n, flags, &k);
     if (cap) out[k.n < cap - 1 ? k.n : cap - 1] = 0;
     if (k.n > INT_MAX) return fail(CM384_E_CAPACITY, "chat_render: text longer than INT_MAX");
     return (int)k.n;
@@ -7442,12 +7654,42 @@ int cm384_token_is_special(const cm384_model *m, int32_t id) {
     return tokenizer_is_special(m->tok, id);
 }
 
-int cm384_chat_render(const cm384_model *m, const cm384_chat_msg *msgs, int n, unsigned flags, char *out, size_t cap) {
+int cm384_chat_render_format(const cm384_model *m, int format, const cm384_chat_msg *msgs, int n, unsigned flags,
+                             char *out, size_t cap) {
     int r = need_tokenizer(m, "cm384_chat_render");
     if (r) return r;
     if (n < 0 || (n > 0 && !msgs)) return fail(CM384_E_INVALID, "cm384_chat_render: bad messages");
     for (int i = 0; i < n; i++)
         if (!msgs[i].role) return fail(CM384_E_INVALID, "cm384_chat_render: message %d has no role", i);
-    return chat_render(m->tok, msgs, n, flags, out, cap);
+    return chat_render(m->tok, format, msgs, n, flags, out, cap);
+}
+
+int cm384_chat_render(const cm384_model *m, const cm384_chat_msg *msgs, int n, unsigned flags, char *out, size_t cap) {
+    return cm384_chat_render_format(m, CM384_CHAT_MODEL, msgs, n, flags, out, cap);
+}
+
+int cm384_chat_format(const cm384_model *m) {
+    int r = need_tokenizer(m, "cm384_chat_format");
+    if (r) return r;
+    if (m->tok->chat_format == CM384_E_NOT_FOUND)
+        return fail(CM384_E_NOT_FOUND, "cm384_chat_format: the model has no chat template");
+    if (m->tok->chat_format < 0)
+        return fail(m->tok->chat_format, "cm384_chat_format: the model's chat template is not one cm384 knows (canonical hash %016llx)",
+                    (unsigned long long)m->tok->chat_template_hash);
+    return m->tok->chat_format;
+}
+
+int cm384_chat_template_format(const char *tpl, size_t len) {
+    if (!tpl) return fail(CM384_E_INVALID, "cm384_chat_template_format: NULL template");
+    uint64_t h = 0;
+    int r = chat_template_format(tpl, len ? len : strlen(tpl), &h);
+    if (r == CM384_E_NOMEM) return fail(r, "cm384_chat_template_format: out of memory");
+    if (r < 0) return fail(r, "cm384_chat_template_format: not a template cm384 knows (canonical hash %016llx)", (unsigned long long)h);
+    return r;
+}
+
+const char *cm384_chat_format_name(int format) {
+    const char *s = chat_format_name(format);
+    return s ? s : "";
 }
 #endif /* CM384_C_INCLUDED */

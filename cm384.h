@@ -264,11 +264,38 @@ typedef struct cm384_chat_msg {
 
 #define CM384_CHAT_ADD_GENERATION_PROMPT 1u   /* end with the assistant prefix */
 
-/* Render a conversation in the model's chat format (DeepSeek-V3/R1's template
- * from tokenizer_config.json, reproduced exactly), BOS written as text.
+/* Render a conversation in the model's chat format, BOS written as text.
+ * The format is recognised from the model's template text
+ * (tokenizer_config.json's chat_template, or a GGUF's
+ * tokenizer.chat_template) and reproduced exactly, as Hugging Face's
+ * apply_chat_template renders it.  A model whose template is missing or not
+ * one of the formats below fails with CM384_E_UNSUPPORTED (never a silent
+ * fallback): pick a format with cm384_chat_render_format().
  * Tokenize the result with flags 0.  snprintf convention. */
 CM384_API int cm384_chat_render(const cm384_model *m, const cm384_chat_msg *msgs, int n,
                                 unsigned flags, char *out, size_t cap);
+
+/* Chat formats (append-only). */
+enum cm384_chat_format {
+    CM384_CHAT_MODEL            = 0,  /* the one recognised from the model's template */
+    CM384_CHAT_DEEPSEEK_V2      = 1,  /* V2-Chat, V2-Lite-Chat: "User: ...\n\nAssistant:" */
+    CM384_CHAT_DEEPSEEK_V2_0628 = 2,  /* V2-Chat-0628: <｜User｜>, <｜Assistant｜>          */
+    CM384_CHAT_DEEPSEEK_V25     = 3,  /* V2.5: last system prompt, tool calls           */
+    CM384_CHAT_DEEPSEEK_V3      = 4,  /* V3: system prompts joined, tool calls          */
+    CM384_CHAT_DEEPSEEK_R1      = 5   /* R1: reasoning stripped from history, the
+                                         generation prompt opens "<think>\n"            */
+};
+/* cm384_chat_render with an explicit format (CM384_CHAT_MODEL = the model's). */
+CM384_API int cm384_chat_render_format(const cm384_model *m, int format, const cm384_chat_msg *msgs,
+                                       int n, unsigned flags, char *out, size_t cap);
+/* The model's format (> 0), or CM384_E_NOT_FOUND (no template) or
+ * CM384_E_UNSUPPORTED (a template cm384 does not know). */
+CM384_API int cm384_chat_format(const cm384_model *m);
+/* The format of a template's Jinja text (len 0 = strlen), or
+ * CM384_E_UNSUPPORTED. */
+CM384_API int cm384_chat_template_format(const char *tpl, size_t len);
+/* "deepseek-v3", ...; "" for an unknown format. */
+CM384_API const char *cm384_chat_format_name(int format);
 
 /* ======================================================================== */
 /* 3. The engine: an emulated supernode                                     */

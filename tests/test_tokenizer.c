@@ -10,6 +10,8 @@
  *   tiny-tokenizer/      a 1024-id cut of it: the same texts and chats
  *   tokenizer-variants/  25 variants of the tiny tokenizer (other
  *                        pre-tokenizers, regex features, added-token flags)
+ *   chat/                DeepSeek's chat templates (V2, V2-0628, V2.5, V3,
+ *                        R1) and renders of 49 conversations by HF's Jinja
  * Every id, decode, streaming decode and render must match exactly.  Then
  * come bad files (each must fail with CM384_E_FORMAT / _IO / _UNSUPPORTED and
  * a message naming the file), API edge cases, and a 1 MB tokenizing
@@ -221,7 +223,7 @@ static void run_chat(const char *dir, const char *name, const tokenizer *t) {
         }
         int ok = 1;
         unsigned flags = gen ? CM384_CHAT_ADD_GENERATION_PROMPT : 0;
-        int nr = chat_render(t, m, msgs->len, flags, text_buf, sizeof text_buf);
+        int nr = chat_render(t, CM384_CHAT_MODEL, m, msgs->len, flags, text_buf, sizeof text_buf);
         long bd = nr < 0 ? 0 : bytes_diff(text_buf, (size_t)nr, rendered->str, (size_t)rendered->len);
         if (nr < 0 || bd >= 0) {
             ok = 0;
@@ -230,7 +232,7 @@ static void run_chat(const char *dir, const char *name, const tokenizer *t) {
         } else tok_passed++;
         /* the snprintf convention: a short buffer still reports the full length */
         char small[8];
-        int ns = chat_render(t, m, msgs->len, flags, small, sizeof small);
+        int ns = chat_render(t, CM384_CHAT_MODEL, m, msgs->len, flags, small, sizeof small);
         result(ns == nr && small[7] == 0 && memcmp(small, text_buf, 7) == 0,
                "%s chat %s render into 8 bytes: got %d, want %d", name, cname, ns, nr);
         if (nr >= 0) {
@@ -524,16 +526,16 @@ static void run_api_cases(const char *dir, const tokenizer *real, const tokenize
 
     /* chat: bad messages fail, unknown roles are skipped */
     cm384_chat_msg bad_msgs[2] = {{"user", NULL, NULL, 0}, {NULL, "x", NULL, 0}};
-    result(chat_render(real, bad_msgs, 1, 0, text_buf, sizeof text_buf) == CM384_E_INVALID, "user without content must fail");
-    result(chat_render(real, bad_msgs + 1, 1, 0, text_buf, sizeof text_buf) == CM384_E_INVALID, "message without role must fail");
+    result(chat_render(real, CM384_CHAT_MODEL, bad_msgs, 1, 0, text_buf, sizeof text_buf) == CM384_E_INVALID, "user without content must fail");
+    result(chat_render(real, CM384_CHAT_MODEL, bad_msgs + 1, 1, 0, text_buf, sizeof text_buf) == CM384_E_INVALID, "message without role must fail");
     cm384_chat_msg odd[2] = {{"narrator", "ignored", NULL, 0}, {"user", "hi", NULL, 0}};
-    r = chat_render(real, odd, 2, CM384_CHAT_ADD_GENERATION_PROMPT, text_buf, sizeof text_buf);
+    r = chat_render(real, CM384_CHAT_MODEL, odd, 2, CM384_CHAT_ADD_GENERATION_PROMPT, text_buf, sizeof text_buf);
     const char *want_odd = "<｜begin▁of▁sentence｜><｜User｜>hi<｜Assistant｜>";
     result(r == (int)strlen(want_odd) && !strcmp(text_buf, want_odd), "unknown role: got \"%s\"", text_buf);
     /* two tool calls in one turn: the second closes the calls (the V3 quirk) */
     cm384_tool_call calls[2] = {{"function", "f", "{}"}, {"function", "g", "{\"a\": 1}"}};
     cm384_chat_msg tc[3] = {{"user", "q", NULL, 0}, {"assistant", NULL, calls, 2}, {"tool", "r1", NULL, 0}};
-    r = chat_render(real, tc, 3, CM384_CHAT_ADD_GENERATION_PROMPT, text_buf, sizeof text_buf);
+    r = chat_render(real, CM384_CHAT_MODEL, tc, 3, CM384_CHAT_ADD_GENERATION_PROMPT, text_buf, sizeof text_buf);
     const char *want_tc =
         "<｜begin▁of▁sentence｜><｜User｜>q<｜Assistant｜><｜tool▁calls▁begin｜><｜tool▁call▁begin｜>function<｜tool▁sep｜>f\n"
         "```json\n{}\n```<｜tool▁call▁end｜>\n<｜tool▁call▁begin｜>function<｜tool▁sep｜>g\n```json\n{\"a\": 1}\n```"
@@ -640,26 +642,168 @@ static void run_variants(const char *dir) {
     free(all);
 }
 
-/* An R1-style template strips reasoning from history. */
-static void run_r1_case(const char *dir) {
-    char path[1024], cfg[] = "/tmp/cm384_tok_r1_XXXXXX";
+/* ---- chat formats (tests/fixtures/chat) ---- */
+/* Each DeepSeek template, as shipped, must be recognised from its text as
+ * its format, and render every case exactly as HF's Jinja engine did; layout
+ * variants of a template are the same format, a changed one is unknown and
+ * makes the render fail. */
+
+static tokenizer *tokenizer_with_template(const char *dir, const char *tpl, size_t len) {
+    char path[1024], cfg[] = "/tmp/cm384_tok_chat_XXXXXX";
     snprintf(path, sizeof path, "%s/tiny-tokenizer/tokenizer.json", dir);
     int fd = mkstemp(cfg);
+    if (fd < 0) return NULL;
     close(fd);
-    const char *c = "{\"bos_token\": \"<｜begin▁of▁sentence｜>\", \"chat_template\": \"{% if '</think>' in content %}"
-                    "{{'<｜Assistant｜><think>\\n'}}\"}";
-    write_all(cfg, c, strlen(c));
+    /* tokenizer_config.json with the template as a JSON string */
+    chat_buf b = {0};
+    const char *head = "{\"bos_token\": \"<｜begin▁of▁sentence｜>\", \"eos_token\": {\"content\": \"<｜end▁of▁sentence｜>\"}";
+    cbuf_put(&b, head, strlen(head));
+    if (tpl) {
+        cbuf_put(&b, ", \"chat_template\": \"", 20);
+        for (size_t i = 0; i < len; i++) {
+            char e[8];
+            unsigned char c = (unsigned char)tpl[i];
+            if (c == '"' || c == '\\') { e[0] = '\\'; e[1] = (char)c; cbuf_put(&b, e, 2); }
+            else if (c < 0x20) { snprintf(e, sizeof e, "\\u%04x", c); cbuf_put(&b, e, 6); }
+            else cbuf_put(&b, (const char *)&c, 1);
+        }
+        cbuf_put(&b, "\"", 1);
+    }
+    cbuf_put(&b, "}", 1);
+    write_all(cfg, b.p, b.n);
+    free(b.p);
     tokenizer *t = NULL;
     int r = tokenizer_load(&t, path, cfg);
-    result(r == CM384_OK, "R1 config: %s", cm384_last_error());
-    if (t) {
-        cm384_chat_msg m[3] = {{"user", "a", NULL, 0}, {"assistant", "<think>x</think>\n\nb", NULL, 0}, {"user", "c", NULL, 0}};
-        r = chat_render(t, m, 3, CM384_CHAT_ADD_GENERATION_PROMPT, text_buf, sizeof text_buf);
-        const char *want = "<｜begin▁of▁sentence｜><｜User｜>a<｜Assistant｜>\n\nb<｜end▁of▁sentence｜><｜User｜>c<｜Assistant｜><think>\n";
-        result(r == (int)strlen(want) && !strcmp(text_buf, want), "R1 render: got \"%s\"", text_buf);
-    }
-    tokenizer_free(t);
     unlink(cfg);
+    result(r == CM384_OK, "tokenizer with a template: %s", cm384_last_error());
+    return t;
+}
+
+static void run_chat_formats(const char *dir) {
+    static const struct { const char *file; int format; } fmts[] = {
+        {"deepseek-v2", CM384_CHAT_DEEPSEEK_V2}, {"deepseek-v2-0628", CM384_CHAT_DEEPSEEK_V2_0628},
+        {"deepseek-v2.5", CM384_CHAT_DEEPSEEK_V25}, {"deepseek-v3", CM384_CHAT_DEEPSEEK_V3}, {"deepseek-r1", CM384_CHAT_DEEPSEEK_R1},
+    };
+    enum { NF = sizeof fmts / sizeof fmts[0] };
+    tokenizer *tk[NF] = {0};
+    char path[1024];
+    for (int f = 0; f < NF; f++) {
+        snprintf(path, sizeof path, "%s/chat/%s.jinja", dir, fmts[f].file);
+        size_t n;
+        char *tpl = read_all(path, &n);
+        result(tpl != NULL, "%s: cannot read", path);
+        if (!tpl) continue;
+        int got = chat_template_format(tpl, n, NULL);
+        result(got == fmts[f].format, "%s recognised as %d, want %d", fmts[f].file, got, fmts[f].format);
+        tk[f] = tokenizer_with_template(dir, tpl, n);
+        result(tk[f] && tk[f]->chat_format == fmts[f].format, "%s: the tokenizer's format", fmts[f].file);
+        result(!strcmp(cm384_chat_format_name(fmts[f].format), fmts[f].file), "name of %s", fmts[f].file);
+
+        /* layout variants: escapes spelled otherwise, whitespace in tags, trims */
+        chat_buf v = {0};
+        for (size_t i = 0; i < n; i++) {
+            if (tpl[i] == '\\' && i + 1 < n && tpl[i + 1] == 'n') { cbuf_put(&v, "\n", 1); i++; }
+            else if (!strncmp(tpl + i, "{%", 2) && i + 2 < n && tpl[i + 2] != '-') { cbuf_put(&v, "{%- ", 4); i++; }
+            else if (!strncmp(tpl + i, "%}", 2) && i > 0 && tpl[i - 1] != '-') { cbuf_put(&v, "  %}\n  ", 7); i++; }
+            else if (tpl[i] == '\'' ) cbuf_put(&v, "\"", 1);
+            else cbuf_put(&v, tpl + i, 1);
+        }
+        got = v.p ? chat_template_format(v.p, v.n, NULL) : -99;
+        result(got == fmts[f].format, "%s: a layout variant recognised as %d", fmts[f].file, got);
+        free(v.p);
+        /* one changed literal is another template */
+        char *mod = malloc(n + 2);
+        memcpy(mod, tpl, n);
+        char *at = strstr(mod, "Assistant");
+        if (at) at[0] = 'a';
+        result(at && chat_template_format(mod, n, NULL) == CM384_E_UNSUPPORTED, "%s with one letter changed must be unknown", fmts[f].file);
+        free(mod);
+        free(tpl);
+    }
+
+    snprintf(path, sizeof path, "%s/chat/cases.jsonl", dir);
+    size_t size;
+    char *all = read_all(path, &size);
+    result(all != NULL, "%s: cannot read", path);
+    int lines = 0, lines_ok = 0;
+    arena a = {0};
+    for (char *line = all, *nl; all && line < all + size; line = nl + 1) {
+        nl = memchr(line, '\n', (size_t)(all + size - line));
+        if (!nl) nl = all + size;
+        if (nl == line) continue;
+        lines++;
+        json c;
+        if (json_parse(line, (size_t)(nl - line), &a, &c, path)) { result(0, "chat line %d: %s", lines, cm384_last_error()); continue; }
+        const char *fname = json_str(&c, "format", "?"), *cname = json_str(&c, "name", "?");
+        const json *msgs = json_get(&c, "messages"), *rendered = json_get(&c, "rendered");
+        int f = 0;
+        while (f < NF && strcmp(fmts[f].file, fname)) f++;
+        if (f == NF || !tk[f] || !msgs || msgs->type != JSON_ARRAY || !rendered) { result(0, "chat %s %s: malformed case", fname, cname); continue; }
+        cm384_chat_msg *m = calloc((size_t)msgs->len, sizeof *m);
+        for (int i = 0; i < msgs->len; i++) {
+            const json *mj = &msgs->kids[i];
+            m[i].role = json_str(mj, "role", NULL);
+            m[i].content = json_str(mj, "content", NULL);
+            const json *tcs = json_get(mj, "tool_calls");
+            if (tcs && tcs->type == JSON_ARRAY && tcs->len > 0) {
+                cm384_tool_call *tc = calloc((size_t)tcs->len, sizeof *tc);
+                for (int j = 0; j < tcs->len; j++) {
+                    const json *fn = json_get(&tcs->kids[j], "function");
+                    tc[j].type = json_str(&tcs->kids[j], "type", "function");
+                    tc[j].name = json_str(fn, "name", NULL);
+                    tc[j].arguments = json_str(fn, "arguments", NULL);
+                }
+                m[i].tool_calls = tc;
+                m[i].n_tool_calls = tcs->len;
+            }
+        }
+        unsigned flags = json_num(&c, "add_generation_prompt", 0) ? CM384_CHAT_ADD_GENERATION_PROMPT : 0;
+        int nr = chat_render(tk[f], CM384_CHAT_MODEL, m, msgs->len, flags, text_buf, sizeof text_buf);
+        long bd = nr < 0 ? 0 : bytes_diff(text_buf, (size_t)nr, rendered->str, (size_t)rendered->len);
+        result(nr >= 0 && bd < 0, "chat %s %s: got %d bytes, want %d, first difference at byte %ld: \"%s\"",
+               fname, cname, nr, rendered->len, bd, nr >= 0 ? text_buf : cm384_last_error());
+        /* the same through an explicit choice, on a tokenizer of another format */
+        int nx = chat_render(tk[(f + 1) % NF], fmts[f].format, m, msgs->len, flags, text_buf, sizeof text_buf);
+        result(nx == nr && (nx < 0 || bytes_diff(text_buf, (size_t)nx, rendered->str, (size_t)rendered->len) < 0),
+               "chat %s %s chosen explicitly: %d bytes", fname, cname, nx);
+        lines_ok += nr >= 0 && bd < 0;
+        for (int i = 0; i < msgs->len; i++) free((void *)m[i].tool_calls);
+        free(m);
+    }
+    arena_free(&a);
+    printf("chat/cases.jsonl: %d/%d renders ok\n", lines_ok, lines);
+    free(all);
+
+    /* the V2 formats have no tool calls; an assistant needs content */
+    cm384_tool_call call = {"function", "f", "{}"};
+    cm384_chat_msg tc[2] = {{"user", "q", NULL, 0}, {"assistant", NULL, &call, 1}};
+    if (tk[0]) result(chat_render(tk[0], CM384_CHAT_MODEL, tc, 2, 0, text_buf, sizeof text_buf) == CM384_E_INVALID,
+                      "a tool call in deepseek-v2 must fail");
+    result(tk[0] && chat_render(tk[0], 99, tc, 1, 0, text_buf, sizeof text_buf) == CM384_E_INVALID, "format 99 must fail");
+
+    /* an unknown template and no template: clear errors, never a fallback */
+    const char *odd = "{% for message in messages %}{{ message['content'] }}{% endfor %}";
+    tokenizer *u = tokenizer_with_template(dir, odd, strlen(odd));
+    if (u) {
+        int r = chat_render(u, CM384_CHAT_MODEL, tc, 1, 0, text_buf, sizeof text_buf);
+        result(r == CM384_E_UNSUPPORTED && strstr(cm384_last_error(), "not one cm384 knows"),
+               "unknown template: %d %s", r, cm384_last_error());
+        r = chat_render(u, CM384_CHAT_DEEPSEEK_V3, tc, 1, CM384_CHAT_ADD_GENERATION_PROMPT, text_buf, sizeof text_buf);
+        const char *want = "<｜begin▁of▁sentence｜><｜User｜>q<｜Assistant｜>";
+        result(r == (int)strlen(want) && !strcmp(text_buf, want), "unknown template, V3 chosen: %s", text_buf);
+    }
+    tokenizer_free(u);
+    u = tokenizer_with_template(dir, NULL, 0);
+    if (u) {
+        int r = chat_render(u, CM384_CHAT_MODEL, tc, 1, 0, text_buf, sizeof text_buf);
+        result(r == CM384_E_UNSUPPORTED && strstr(cm384_last_error(), "no chat template"), "no template: %d %s", r, cm384_last_error());
+    }
+    tokenizer_free(u);
+    /* bad template text is only unknown: unterminated tags and strings */
+    const char *bad[] = {"{{", "{%-", "{{ 'abc", "{# x", "-%}", "{{'\\", ""};
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++)
+        result(chat_template_format(bad[i], strlen(bad[i]), NULL) == CM384_E_UNSUPPORTED, "bad template %zu", i);
+    for (int f = 0; f < NF; f++) tokenizer_free(tk[f]);
 }
 
 /* ---- benchmark ---- */
@@ -745,7 +889,7 @@ int main(int argc, char **argv) {
     run_error_cases(dir);
     if (tok[0] && tok[1]) run_api_cases(dir, tok[0], tok[1]);
     run_variants(dir);
-    run_r1_case(dir);
+    run_chat_formats(dir);
     if (tok[0]) run_benchmark(dir, tok[0]);
     tokenizer_free(tok[0]);
     tokenizer_free(tok[1]);
