@@ -24,7 +24,7 @@ MODEL   ?= $(if $(wildcard models/shakespeare/config.json),models/shakespeare,te
 PROMPT  ?= ROMEO:
 NTOK    ?= 100
 
-all: $(B)/libcm384.a $(B)/cm384 $(B)/embed
+all: $(B)/libcm384.a $(B)/cm384 $(B)/embed $(B)/cm384-server
 
 $(B) $(B)/asan $(B)/tsan:
 	@mkdir -p $@
@@ -40,6 +40,10 @@ $(B)/cm384: examples/cm384.c cm384.h $(B)/libcm384.a
 
 $(B)/embed: examples/embed.c cm384.h $(B)/libcm384.a
 	$(CC) $(CFLAGS) examples/embed.c $(B)/libcm384.a -o $@ $(LDLIBS)
+
+# the OpenAI-compatible server (examples/server.c): libc, pthreads, sockets
+$(B)/cm384-server: examples/server.c cm384.h $(B)/libcm384.a
+	$(CC) $(CFLAGS) examples/server.c $(B)/libcm384.a -o $@ $(LDLIBS)
 
 $(B)/gen_synth: models/gen/gen_synth.c | $(B)
 	$(CC) -O2 -std=c11 -Wall -Wextra models/gen/gen_synth.c -o $@ -lm
