@@ -5,6 +5,7 @@
 #   make test       every test: unit, golden, engine, ASan+UBSan, TSan, valgrind
 #   make bench      this machine's limits, then cm384 against them
 #   make install    PREFIX=/usr/local DESTDIR=
+#   make amalgamation  dist/cm384.c (kernels inlined) + dist/cm384.h
 #
 # The library is one translation unit: `cc -O2 -c cm384.c` builds it all.
 
@@ -45,6 +46,27 @@ $(B)/embed: examples/embed.c cm384.h $(B)/libcm384.a
 $(B)/cm384-server: examples/server.c cm384.h $(B)/libcm384.a
 	$(CC) $(CFLAGS) examples/server.c $(B)/libcm384.a -o $@ $(LDLIBS)
 
+# the amalgamation: one cm384.c with the ggml_like kernels inlined, and
+# cm384.h -- two files to embed (generated into dist/, not committed)
+DIST := dist
+amalgamation: $(DIST)/cm384.c $(DIST)/cm384.h
+
+$(DIST)/cm384.c: $(SRC) tools/amalgamate.sh
+	@mkdir -p $(DIST)
+	sh tools/amalgamate.sh cm384.c > $@.tmp && mv $@.tmp $@
+
+$(DIST)/cm384.h: cm384.h
+	@mkdir -p $(DIST)
+	cp cm384.h $@
+
+# the embedding example built from those two files alone, in a folder that
+# holds nothing else
+$(B)/embed-amalgamated: $(DIST)/cm384.c $(DIST)/cm384.h examples/embed.c | $(B)
+	rm -rf $(B)/amalg && mkdir -p $(B)/amalg/examples
+	cp $(DIST)/cm384.c $(DIST)/cm384.h $(B)/amalg/ && cp examples/embed.c $(B)/amalg/examples/
+	cd $(B)/amalg && $(CC) $(CFLAGS) examples/embed.c cm384.c -o embed $(LDLIBS)
+	cp $(B)/amalg/embed $@
+
 $(B)/gen_synth: models/gen/gen_synth.c | $(B)
 	$(CC) -O2 -std=c11 -Wall -Wextra models/gen/gen_synth.c -o $@ -lm
 
@@ -77,7 +99,7 @@ $(B)/asan/cm384_tests: $(TEST_SRC) $(SRC) | $(B)/asan
 $(B)/tsan/cm384_tests: $(TEST_SRC) $(SRC) | $(B)/tsan
 	$(CC) -std=c11 -Wall -Wextra -pthread $(SAN) -fsanitize=thread tests/main.c -o $@ $(LDLIBS) $(TEST_WRAP)
 
-test-bins: all $(B)/gen_synth $(B)/cm384_tests $(B)/asan/cm384_tests $(B)/tsan/cm384_tests
+test-bins: all $(B)/gen_synth $(B)/embed-amalgamated $(B)/cm384_tests $(B)/asan/cm384_tests $(B)/tsan/cm384_tests
 
 test: test-bins
 	@B=$(B) MODEL=$(MODEL) CC="$(CC)" sh tests/run.sh
@@ -102,6 +124,6 @@ uninstall:
 	      $(DESTDIR)$(PREFIX)/bin/cm384 $(DESTDIR)$(PREFIX)/lib/pkgconfig/cm384.pc
 
 clean:
-	rm -rf $(B)
+	rm -rf $(B) $(DIST)
 
-.PHONY: all run test test-bins bench install uninstall clean
+.PHONY: all run test test-bins bench install uninstall clean amalgamation

@@ -101,13 +101,13 @@ static void sb_put(sbuf *b, const char *s, size_t n) {
     b->n += n;
     b->p[b->n] = 0;
 }
-static void sb_str(sbuf *b, const char *s) { sb_put(b, s, strlen(s)); }
-static void sb_printf(sbuf *b, const char *fmt, ...)
+static inline void sb_str(sbuf *b, const char *s) { sb_put(b, s, strlen(s)); }
+static inline void sb_printf(sbuf *b, const char *fmt, ...)
 #if defined(__GNUC__)
     __attribute__((format(printf, 2, 3)))
 #endif
     ;
-static void sb_printf(sbuf *b, const char *fmt, ...) {
+static inline void sb_printf(sbuf *b, const char *fmt, ...) {
     char tmp[512];
     va_list ap;
     va_start(ap, fmt);
@@ -126,7 +126,7 @@ static void sb_printf(sbuf *b, const char *fmt, ...) {
 static void sb_free(sbuf *b) { xfree(b->p); memset(b, 0, sizeof *b); }
 
 /* A JSON string literal of s (UTF-8 passed through; controls escaped). */
-static void sb_json_str(sbuf *b, const char *s, size_t n) {
+static inline void sb_json_str(sbuf *b, const char *s, size_t n) {
     sb_put(b, "\"", 1);
     size_t run = 0;
     for (size_t i = 0; i < n; i++) {
@@ -705,8 +705,10 @@ static int gen_params_parse(const jval *body, int chat, gen_params *g, char *err
 }
 
 /* ======================================================================== */
-/* The server                                                                */
+/* The server (left out when a fuzz harness includes this file for the      */
+/* parsers above)                                                            */
 /* ======================================================================== */
+#ifndef SERVER_NO_MAIN
 
 typedef struct {
     const char *model_path, *host, *alias, *preset;
@@ -1362,7 +1364,6 @@ static void usage(FILE *f) {
             "without a seed gets a fresh one.  Errors are {\"error\":{\"message\",\"type\",\"param\",\"code\"}}.\n");
 }
 
-#ifndef SERVER_NO_MAIN
 int main(int argc, char **argv) {
     server_opts *o = &S.o;
     o->host = "127.0.0.1";
@@ -1400,6 +1401,9 @@ int main(int argc, char **argv) {
         return 2;
     }
     signal(SIGPIPE, SIG_IGN);
+#if defined(__GLIBC__)
+    mallopt(M_ARENA_MAX, 2);   /* a thread per connection would otherwise scatter freed memory over many arenas */
+#endif
     struct sigaction sa;
     memset(&sa, 0, sizeof sa);
     sa.sa_handler = on_signal;

@@ -78,6 +78,48 @@ readme_example() {
 }
 step "README's embedding example" readme_example
 
+# the amalgamation: the embed example built from dist/cm384.c and cm384.h
+# alone generates what the library built from its sources does
+amalgamation_check() {
+    if grep -n '^[[:space:]]*#[[:space:]]*include[[:space:]]*"' dist/cm384.c | grep -v '"cm384.h"'; then
+        echo "dist/cm384.c still includes a local file"; return 1
+    fi
+    a=$("$B/embed-amalgamated" "$MODEL" "ROMEO:") || return 1
+    b=$("$B/embed" "$MODEL" "ROMEO:") || return 1
+    echo "$a"
+    [ "$a" = "$b" ] || { echo "differs from build/embed: $b"; return 1; }
+}
+step "amalgamation: embed from dist/cm384.c + cm384.h" amalgamation_check
+step "gcc -Wall -Wextra -Werror -c dist/cm384.c" gcc -std=c11 -O2 -Wall -Wextra -Werror -c dist/cm384.c -o "$B/check_amalg.o"
+
+# the OpenAI-compatible server under real clients: the openai npm package,
+# curl, raw sockets, and a 64-client load run (tests/server/server_test.mjs)
+OPENAI_VERSION=$(sed -n 's/.*"openai": *"\([^"]*\)".*/\1/p' tests/server/package.json)
+if command -v node >/dev/null 2>&1 && command -v npm >/dev/null 2>&1 && command -v curl >/dev/null 2>&1; then
+    if [ ! -f "$B/npm/node_modules/openai/package.json" ]; then
+        npm install --prefix "$B/npm" --no-audit --no-fund --loglevel=error "openai@$OPENAI_VERSION" >"$log" 2>&1 || cat "$log"
+    fi
+    if [ -f "$B/npm/node_modules/openai/package.json" ]; then
+        step "server: openai client, curl, load run" env NODE_PATH="$B/npm/node_modules" node tests/server/server_test.mjs "$B/cm384-server" models/shakespeare
+    else
+        echo "== server: skipped (the openai npm package could not be installed into $B/npm; .ci/run installs it)"
+    fi
+else
+    echo "== server: skipped (needs node, npm and curl; .ci/run installs them)"
+fi
+# the server's request parsers on the fuzz seeds, under ASan+UBSan (a
+# campaign: clang -fsanitize=fuzzer, see tests/fuzz/fuzz_server.c)
+fuzz_replay() {
+    $CC -std=c11 -O1 -g -Wall -Wextra -Werror -pthread -fsanitize=address,undefined -fno-sanitize-recover=undefined \
+        -DFUZZ_REPLAY tests/fuzz/fuzz_server.c "$B/libcm384.a" -o "$B/fuzz_server_replay" -lm -lpthread &&
+        "$B/fuzz_server_replay" tests/fuzz/server_corpus/*
+}
+step "fuzz_server: replay the seeds (ASan+UBSan)" fuzz_replay
+step "gcc -Wall -Wextra -Werror examples/server.c" gcc -std=c11 -O2 -Wall -Wextra -Werror -pthread -c examples/server.c -o "$B/check_server_gcc.o"
+if command -v clang >/dev/null 2>&1; then
+    step "clang -Wall -Wextra -Werror examples/server.c" clang -std=c11 -O2 -Wall -Wextra -Werror -pthread -c examples/server.c -o "$B/check_server_clang.o"
+fi
+
 # one translation unit, warning-free, header usable from C++
 step "gcc -Wall -Wextra -Werror -c cm384.c" gcc -std=c11 -O2 -Wall -Wextra -Werror -c cm384.c -o "$B/check_gcc.o"
 if command -v clang >/dev/null 2>&1; then

@@ -10,8 +10,9 @@
 // with "server: N passed, N failed".
 import { spawn, execFile } from 'node:child_process';
 import net from 'node:net';
+import path from 'node:path';
 import { createRequire } from 'node:module';
-const require = createRequire(process.env.NODE_PATH ? process.env.NODE_PATH + '/' : import.meta.url);
+const require = createRequire(process.env.NODE_PATH ? path.resolve(process.env.NODE_PATH) + '/' : import.meta.url);
 const OpenAI = require('openai').default ?? require('openai');
 
 const [bin, modelDir] = process.argv.slice(2);
