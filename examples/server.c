@@ -713,6 +713,7 @@ static int gen_params_parse(const jval *body, int chat, gen_params *g, char *err
 typedef struct {
     const char *model_path, *host, *alias, *preset;
     int         port, max_conns, threads, devices, max_ctx, max_batch, mtp, int8;
+    double      kv_pool_mib, cache_mib;     /* 0: the engine's defaults; cache < 0: off */
     size_t      max_body, max_header;
     double      idle_timeout_s, io_timeout_s;
 } server_opts;
@@ -1344,6 +1345,8 @@ static void usage(FILE *f) {
             "  --timeout SECONDS     idle keep-alive and read timeout (default 30)\n"
             "  --ctx N               tokens per request, prompt + completion (default: min(model, 4096))\n"
             "  --batch N             requests decoding at once (default 64)\n"
+            "  --kv-pool-mib N       KV block pool (default: --batch requests of --ctx tokens, at most 1 GiB)\n"
+            "  --cache-mib N|off     context-cache budget inside the pool (default: half the pool)\n"
             "  -t N                  worker threads (default: online cores)\n"
             "  --devices N           emulated devices (default 384)\n"
             "  --preset NAME         default | paper | single\n"
@@ -1390,6 +1393,8 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "--timeout")) o->io_timeout_s = atof(v);
         else if (!strcmp(a, "--ctx")) o->max_ctx = atoi(v);
         else if (!strcmp(a, "--batch")) o->max_batch = atoi(v);
+        else if (!strcmp(a, "--kv-pool-mib")) o->kv_pool_mib = atof(v);
+        else if (!strcmp(a, "--cache-mib")) o->cache_mib = !strcmp(v, "off") ? -1 : atof(v);
         else if (!strcmp(a, "-t")) o->threads = atoi(v);
         else if (!strcmp(a, "--devices")) o->devices = atoi(v);
         else if (!strcmp(a, "--preset")) o->preset = v;
@@ -1429,6 +1434,9 @@ int main(int argc, char **argv) {
     cfg.int8 = o->int8;
     cfg.mtp = o->mtp;
     cfg.max_batch = o->max_batch;
+    if (o->kv_pool_mib > 0) cfg.kv_pool_bytes = (size_t)(o->kv_pool_mib * 1048576);
+    if (o->cache_mib < 0) cfg.cache_bytes = (size_t)-1;
+    else if (o->cache_mib > 0) cfg.cache_bytes = (size_t)(o->cache_mib * 1048576);
     S.max_ctx = o->max_ctx > 0 ? o->max_ctx : (info.max_position_embeddings > 0 && info.max_position_embeddings < 4096
                                                ? info.max_position_embeddings : 4096);
     cfg.max_ctx = S.max_ctx;

@@ -11,6 +11,7 @@
 import { spawn, execFile } from 'node:child_process';
 import net from 'node:net';
 import path from 'node:path';
+import fs from 'node:fs';
 import { createRequire } from 'node:module';
 const require = createRequire(process.env.NODE_PATH ? path.resolve(process.env.NODE_PATH) + '/' : import.meta.url);
 const OpenAI = require('openai').default ?? require('openai');
@@ -40,8 +41,18 @@ const base = `http://127.0.0.1:${port}`;
 console.log('server on ' + base);
 const client = new OpenAI({ baseURL: base + '/v1', apiKey: 'unused', maxRetries: 0, timeout: 60_000 });
 
+const raw = (bytes, wait = 3000) => new Promise((resolve) => {
+  const s = net.connect(port, '127.0.0.1');
+  let got = '';
+  s.on('data', (d) => { got += d; });
+  s.on('close', () => resolve(got));
+  s.on('error', () => resolve(got));
+  s.write(bytes);
+  setTimeout(() => { s.destroy(); resolve(got); }, wait);
+});
 const metrics = async () => {
-  const text = await (await fetch(base + '/metrics')).text();
+  const got = await raw('GET /metrics HTTP/1.1\r\nHost: x\r\nConnection: close\r\n\r\n', 10_000);
+  const text = got.slice(got.indexOf('\r\n\r\n') + 4);
   const get = (name) => { const m = text.match(new RegExp('^' + name.replace(/[{}"=.]/g, (c) => '\\' + c) + ' ([0-9.eE+-]+)$', 'm')); return m ? Number(m[1]) : NaN; };
   return { text, get };
 };
@@ -55,15 +66,27 @@ const curlStatus = async (args, input) => {
   const i = r.stdout.lastIndexOf('\n');
   return { code: Number(r.stdout.slice(i + 1)), body: r.stdout.slice(0, i) };
 };
-const raw = (bytes, wait = 3000) => new Promise((resolve) => {
-  const s = net.connect(port, '127.0.0.1');
-  let got = '';
-  s.on('data', (d) => { got += d; });
-  s.on('close', () => resolve(got));
-  s.on('error', () => resolve(got));
-  s.write(bytes);
-  setTimeout(() => { s.destroy(); resolve(got); }, wait);
-});
+// Resident memory in three parts: the engine's KV pool (one anonymous
+// mapping sized at engine creation, whose pages are touched as blocks are
+// first used; it never grows), files mapped read-only (the weights, whose
+// pages come in as rows are first read, and the program), and the rest:
+// heap, stacks and every other anonymous page, which must come back
+const memory = (poolBytes) => {
+  let text;
+  try { text = fs.readFileSync(`/proc/${srv.pid}/smaps`, 'utf8'); } catch { return null; }
+  let total = 0, pool = 0, files = 0, size = 0, file = false;
+  for (const l of text.split('\n')) {
+    const h = l.match(/^([0-9a-f]+)-([0-9a-f]+) \S+ \S+ \S+ \S+\s*(.*)$/);
+    if (h) { size = parseInt(h[2], 16) - parseInt(h[1], 16); file = h[3].startsWith('/'); continue; }
+    const r = l.match(/^Rss:\s+(\d+) kB/);
+    if (!r) continue;
+    const b = +r[1] * 1024;
+    total += b;
+    if (file) files += b;
+    else if (size >= poolBytes && size < poolBytes + 8 * 1048576 && b > pool) { total -= 0; pool = b; }
+  }
+  return { total, pool, files, other: total - pool - files };
+};
 const errorBody = (body) => { try { const e = JSON.parse(body).error; return e && typeof e.message === 'string' && typeof e.type === 'string'; } catch { return false; } };
 
 try {
@@ -185,22 +208,27 @@ try {
   check((two.match(/HTTP\/1\.1 200/g) || []).length === 2, 'pipelined requests: ' + JSON.stringify(two.slice(0, 80)));
 
   // ---- connection limit ----
+  // MAX_CONNS + 5 idle connections: whatever else is open, at least 5 are
+  // refused with a 503 and an error body, and counted
   const m0 = await metrics();
   const before = m0.get('cm384_server_connections_total{state="refused"}'), open0 = m0.get('cm384_server_connections');
-  const idle = [];
-  for (let i = 0; i < MAX_CONNS; i++) {
+  const idle = [], answers = [];
+  for (let i = 0; i < MAX_CONNS + 5; i++) {
     const s = net.connect(port, '127.0.0.1');
+    answers.push('');
+    s.on('data', (d) => { answers[i] += d; });
     s.on('error', () => {});
     idle.push(s);
   }
-  await sleep(500);
-  const over = await raw('GET /health HTTP/1.1\r\n\r\n', 2000);
-  check(/^HTTP\/1\.1 503/.test(over) && errorBody(over.slice(over.indexOf('\r\n\r\n') + 4)), 'connection over --max-conns: ' + JSON.stringify(over.slice(0, 40)));
+  for (let i = 0; i < 50 && answers.filter((a) => a).length < 5; i++) await sleep(100);
+  const refused = answers.filter((a) => a);
+  check(refused.length >= 5 && refused.every((a) => /^HTTP\/1\.1 503/.test(a) && errorBody(a.slice(a.indexOf('\r\n\r\n') + 4))),
+        `connections over --max-conns: ${refused.length} answered, ${JSON.stringify(refused[0]?.slice(0, 40))}`);
   idle.forEach((s) => s.destroy());
   for (let i = 0; i < 50 && (await metrics()).get('cm384_server_connections') > open0; i++) await sleep(100);
   const m1 = await metrics();
-  check(m1.get('cm384_server_connections_total{state="refused"}') >= before + 1 && m1.get('cm384_server_connections') <= open0,
-        `refused count and open connections after the limit test: refused ${before} -> ${m1.get('cm384_server_connections_total{state="refused"}')}, open ${open0} -> ${m1.get('cm384_server_connections')}`);
+  check(m1.get('cm384_server_connections_total{state="refused"}') === before + refused.length && m1.get('cm384_server_connections') <= open0,
+        `refused count and open connections after the limit test: refused ${before} -> ${m1.get('cm384_server_connections_total{state="refused"}')} (${refused.length} seen), open ${open0} -> ${m1.get('cm384_server_connections')}`);
 
   // ---- a client that disconnects cancels its request ----
   const cancelledBefore = m1.get('cm384_requests_total{state="cancelled"}');
@@ -242,14 +270,15 @@ try {
   const alone = [];
   for (let k = 0; k < DISTINCT; k++) alone.push(await runOne(k, 0));
   check(alone.every((a) => !a.error && a.text.length > 0), 'reference runs: ' + JSON.stringify(alone.filter((a) => a.error)));
-  // a first wave of the same load warms what the engine sizes at start
-  // (KV blocks touched, worker buffers) and the allocator; memory is then
-  // measured around the second wave
+  // a first wave of the same load (disconnects included) warms what the
+  // engine sizes at start (KV pages, worker buffers) and the allocator;
+  // memory is then measured around the second, identical wave
   const rssStart = (await metrics()).get('cm384_server_resident_bytes');
-  await Promise.all(Array.from({ length: N }, (_, i) => runOne(i % DISTINCT, 0)));
+  await Promise.all(Array.from({ length: N }, (_, i) => runOne(i % DISTINCT, i % 4 === 3 ? 3 : 0)));
   for (let i = 0; i < 50 && (await metrics()).get('cm384_server_live_bytes') !== 0; i++) await sleep(100);
   const mb = await metrics();
-  const rssBefore = mb.get('cm384_server_resident_bytes'), liveBefore = mb.get('cm384_server_live_bytes');
+  const poolBytes = mb.get('cm384_pool_bytes');
+  const rssBefore = mb.get('cm384_server_resident_bytes'), liveBefore = mb.get('cm384_server_live_bytes'), memBefore = memory(poolBytes);
   const t0 = performance.now();
   const results = await Promise.all(Array.from({ length: N }, (_, i) => runOne(i % DISTINCT, i % 4 === 3 ? 3 : 0)));
   const wall = performance.now() - t0;
@@ -270,14 +299,22 @@ try {
     if (ma.get('cm384_server_live_bytes') === 0 && ma.get('cm384_server_completions_total{state="finished"}') === ma.get('cm384_server_completions_total{state="started"}')) break;
     await sleep(100);
   }
-  const rssAfter = ma.get('cm384_server_resident_bytes'), liveAfter = ma.get('cm384_server_live_bytes');
+  const rssAfter = ma.get('cm384_server_resident_bytes'), liveAfter = ma.get('cm384_server_live_bytes'), memAfter = memory(poolBytes);
+  const mib = (x) => (x / 1048576).toFixed(1);
   check(liveBefore === 0 && liveAfter === 0, `server-held bytes before/after the load run: ${liveBefore} / ${liveAfter}`);
-  check(rssAfter <= rssBefore + 2 * 1048576, `resident memory before/after the load run: ${rssBefore} / ${rssAfter}`);
+  if (memBefore && memAfter) {
+    // the pool's pages may be touched for the first time (more blocks in use at
+    // a peak than before); the rest must come back to where it was
+    check(memBefore.pool > 0 && memAfter.pool <= poolBytes + 8 * 1048576, `the KV pool mapping: ${memBefore.pool} / ${memAfter.pool} of ${poolBytes}`);
+    check(memAfter.other <= memBefore.other + 1048576,
+          `heap, stacks and other anonymous memory before/after the load run: ${mib(memBefore.other)} / ${mib(memAfter.other)} MiB`);
+  } else check(rssAfter <= rssBefore + 16 * 1048576, `resident memory before/after the load run (no /proc smaps): ${rssBefore} / ${rssAfter}`);
   check(ma.get('cm384_server_completions_total{state="disconnected"}') >= N / 4 + 1, 'disconnections counted');
   console.log(`load run: ${N} concurrent streaming clients (${DISTINCT} distinct requests x ${N / DISTINCT}, ${cut} disconnect after 3 chunks), ` +
               `${ok} complete, ${bad} failures; client TTFT p50 ${q(0.5).toFixed(1)} ms, p99 ${q(0.99).toFixed(1)} ms; ` +
               `engine TTFT p50 ${ma.get('cm384_ttft_milliseconds{quantile="0.5"}')} ms, p99 ${ma.get('cm384_ttft_milliseconds{quantile="0.99"}')} ms; ` +
-              `wall ${(wall / 1000).toFixed(2)} s; RSS at start ${(rssStart / 1048576).toFixed(1)} MiB, after a warm-up wave ${(rssBefore / 1048576).toFixed(1)} MiB, after the load run ${(rssAfter / 1048576).toFixed(1)} MiB; ` +
+              `wall ${(wall / 1000).toFixed(2)} s; RSS at start ${mib(rssStart)} MiB, after a warm-up wave ${mib(rssBefore)} MiB, after the load run ${mib(rssAfter)} MiB` +
+              (memBefore && memAfter ? ` (heap, stacks and other anonymous memory ${mib(memBefore.other)} -> ${mib(memAfter.other)} MiB; the ${mib(poolBytes)} MiB KV pool resident ${mib(memBefore.pool)} -> ${mib(memAfter.pool)} MiB; mapped files ${mib(memBefore.files)} -> ${mib(memAfter.files)} MiB)` : '') + '; ' +
               `server-held bytes before ${liveBefore}, after ${liveAfter}`);
   check(Date.now() < deadline, 'finished within the time bound');
 } catch (e) {
