@@ -4421,6 +4421,9 @@ struct cm384_engine {
     int              *attn_devs, n_attn;     /* decode attention devices        */
     placement         place[2];              /* PHASE_PREFILL, PHASE_DECODE     */
     int              *red_devs, n_red;       /* devices for redundant experts   */
+    int              *exp_devs, n_exp_devs;  /* decode's routed-expert devices, the
+                                                redundant ones included         */
+    int               exp_cap;               /* expert slots per such device    */
     int               shared_at_source;
     int               fuse_groups;           /* stream a shared weight once for all
                                                 devices' rows (not in the paper preset) */
@@ -4445,7 +4448,12 @@ struct cm384_engine {
     _Atomic uint64_t *traffic, *msgs;        /* [n_dev][n_dev]                  */
     uint64_t         *busy;                  /* [workers][n_dev] ns             */
     uint64_t         *expert_load;           /* [layers][E] tokens routed       */
-    uint64_t         *dev_rows;              /* [n_dev] rows computed as expert */
+    uint64_t         *dev_rows;              /* [2][n_dev] rows computed as expert,
+                                                per phase                       */
+    uint64_t          eplb_runs;             /* re-placements made              */
+    double            eplb_before, eplb_after;   /* last one: max/mean device load of
+                                                its window, old and new placement */
+    uint64_t          eplb_moved_bytes;      /* expert weights that changed device */
     _Atomic uint64_t  dispatch_bytes, dispatch_bytes_bf16, combine_bytes, combine_bytes_bf16, n_messages;
     uint64_t          kv_handoff_bytes;
     int              *dbg_route;             /* tests: [layers][max_ctx][K] experts */
@@ -5019,7 +5027,8 @@ static void moe_layout(op *o) {
                 if (k < K) {
                     int x = s->top_id[(size_t)t * K + k];
                     en = x * pl->max_rep + t % nrep[x];
-                    if (l < e->m->hp.n_layers + e->m->hp.n_mtp) e->expert_load[(size_t)l * E + x]++;
+                    if (l < e->m->hp.n_layers + e->m->hp.n_mtp)
+                        e->expert_load[((size_t)mb->phase * (e->m->hp.n_layers + e->m->hp.n_mtp) + l) * E + x]++;
                 } else if (pl->n_shared) {
                     en = E * pl->max_rep + t % pl->n_shared;
                 } else {
@@ -5035,7 +5044,8 @@ static void moe_layout(op *o) {
             }
         }
     }
-    for (int i = 0; i < ne && ord[i] >= 0; i++) e->dev_rows[dev[ord[i]]] += (uint64_t)count[ord[i]];
+    uint64_t *rows_of_dev = e->dev_rows + (size_t)mb->phase * e->n_dev;
+    for (int i = 0; i < ne && ord[i] >= 0; i++) rows_of_dev[dev[ord[i]]] += (uint64_t)count[ord[i]];
     atomic_fetch_add_explicit(&e->dispatch_bytes, disp, memory_order_relaxed);
     atomic_fetch_add_explicit(&e->dispatch_bytes_bf16, disp16, memory_order_relaxed);
     atomic_fetch_add_explicit(&e->combine_bytes, comb, memory_order_relaxed);
@@ -5527,31 +5537,117 @@ static void pl_free(placement *p) {
     memset(p, 0, sizeof *p);
 }
 
-/* EPLB-style rebalancing from measured load: each redundant device of the
- * decode placement hosts a replica of one of the hottest experts of each
- * layer (the devices after the primaries); a token picks a replica by its
- * row, so a hot expert's rows split between two devices. */
-static void eplb_rebalance(struct cm384_engine *e, const uint64_t *load_since) {
+/* ---- EPLB: replicas for the hottest experts, packed to even the devices ---- */
+/* DeepSeek's expert-parallel load balancer, global policy, one layer at a
+ * time.  Decode's routed experts live on n_exp_devs devices of exp_cap slots
+ * each (the redundant devices included), so there are more slots than
+ * experts.  From the decode load measured since the last re-placement:
+ *   1. replicate: every expert has one replica; each spare slot goes to the
+ *      expert with the highest load per replica (a token picks a replica by
+ *      its row, so replicas share an expert's load evenly);
+ *   2. pack: replicas, heaviest first, go to the least-loaded device that has
+ *      a free slot (and, when it can, holds no replica of that expert yet).
+ * Prefill has its own placement and its own load, never mixed in.  Ties
+ * always go to the lowest index, so a load gives one placement.  Moving a
+ * replica costs nothing here (every device reads the same weights in the
+ * pool, the paper's model cache), but the bytes a real supernode would copy
+ * are counted. */
+
+typedef struct eplb_item { double load; int expert, replica; } eplb_item;
+
+static int eplb_item_cmp(const void *a, const void *b) {
+    const eplb_item *x = a, *y = b;
+    if (x->load != y->load) return x->load > y->load ? -1 : 1;
+    if (x->expert != y->expert) return x->expert - y->expert;
+    return x->replica - y->replica;
+}
+
+/* One layer: load[E] in, n_rep[E] and dev[E*max_rep] out (entry x*max_rep+r
+ * is replica r of expert x, -1 where unused); dev_load[n_devs] gets each
+ * device's share of the load.  items and slots_used are scratch of
+ * n_devs*cap and n_devs entries. */
+static void eplb_layer(const double *load, int E, const int *devs, int n_devs, int cap, int max_rep,
+                       int *n_rep, int *dev, double *dev_load, eplb_item *items, int *slots_used) {
+    int S = n_devs * cap;
+    for (int x = 0; x < E; x++) n_rep[x] = 1;
+    for (int k = E; k < S; k++) {
+        int best = -1;
+        for (int x = 0; x < E; x++)
+            if (n_rep[x] < max_rep && (best < 0 || load[x] * n_rep[best] > load[best] * n_rep[x])) best = x;
+        if (best < 0) break;
+        n_rep[best]++;
+    }
+    int n = 0;
+    for (int x = 0; x < E; x++)
+        for (int r = 0; r < n_rep[x]; r++) items[n++] = (eplb_item){load[x] / n_rep[x], x, r};
+    qsort(items, (size_t)n, sizeof *items, eplb_item_cmp);
+    for (int d = 0; d < n_devs; d++) { dev_load[d] = 0; slots_used[d] = 0; }
+    for (int i = 0; i < E * max_rep; i++) dev[i] = -1;
+    for (int i = 0; i < n; i++) {
+        int x = items[i].expert, best = -1, best_dup = 1;
+        for (int d = 0; d < n_devs; d++) {
+            if (slots_used[d] >= cap) continue;
+            int dup = 0;                                   /* already holds a replica of x? */
+            for (int r = 0; r < items[i].replica && !dup; r++) dup = dev[x * max_rep + r] == devs[d];
+            if (best < 0 || dup < best_dup || (dup == best_dup && dev_load[d] < dev_load[best])) { best = d; best_dup = dup; }
+        }
+        dev[x * max_rep + items[i].replica] = devs[best];
+        dev_load[best] += items[i].load;
+        slots_used[best]++;
+    }
+}
+
+static double max_over_mean(const double *v, int n) {
+    double mx = 0, sum = 0;
+    for (int i = 0; i < n; i++) { sum += v[i]; if (v[i] > mx) mx = v[i]; }
+    return sum > 0 ? mx * n / sum : 0;
+}
+
+/* Re-places decode's routed experts, every layer, from load[NL][E] (decode
+ * tokens per expert since the last time).  Records how even the expert
+ * devices' load was under the old placement and is under the new one. */
+static int eplb_rebalance(struct cm384_engine *e, const uint64_t *load_since) {
     const hparams *hp = &e->m->hp;
     placement *p = &e->place[PHASE_DECODE];
-    int E = hp->n_routed, NL = hp->n_layers + hp->n_mtp;
-    int n_red = e->n_red, *red = e->red_devs;
-    if (p->max_rep < 2 || !n_red) return;
+    int E = hp->n_routed, NL = hp->n_layers + hp->n_mtp, ND = e->n_exp_devs, mr = p->max_rep;
+    if (E <= 0 || ND <= 0) return CM384_OK;
+    double *ld = CM384_MALLOC(((size_t)E + 3 * (size_t)ND) * sizeof(double));
+    eplb_item *items = CM384_MALLOC((size_t)ND * e->exp_cap * sizeof(eplb_item));
+    int *used = CM384_MALLOC((size_t)ND * sizeof(int)), *old = CM384_MALLOC((size_t)E * mr * sizeof(int));
+    int *old_rep = CM384_MALLOC((size_t)E * sizeof(int)), *slot = CM384_MALLOC((size_t)e->n_dev * sizeof(int));
+    int r = CM384_OK;
+    if (!ld || !items || !used || !old || !old_rep || !slot) { r = fail(CM384_E_NOMEM, "out of memory for EPLB"); goto done; }
+    double *before = ld + E, *after = before + ND, *per_dev = after + ND;
+    for (int d = 0; d < e->n_dev; d++) slot[d] = -1;
+    for (int d = 0; d < ND; d++) { slot[e->exp_devs[d]] = d; before[d] = after[d] = 0; }
+    uint64_t moved = 0;
     for (int l = 0; l < NL; l++) {
         if (!e->m->layers[l].is_moe) continue;
         int *dev = pl_dev(p, l), *nrep = pl_nrep(p, l, E);
-        const uint64_t *ld = load_since + (size_t)l * E;
-        unsigned char taken[1024] = {0};
-        for (int x = 0; x < E; x++) { nrep[x] = 1; dev[x * p->max_rep + 1] = -1; }
-        for (int j = 0; j < n_red && j < E; j++) {
-            int best = -1;
-            for (int x = 0; x < E; x++) if (!taken[x] && (best < 0 || ld[x] > ld[best])) best = x;
-            taken[best] = 1;
-            dev[best * p->max_rep + 1] = red[j];
-            nrep[best] = 2;
-        }
+        const gl_mat *g = e->m->layers[l].experts ? &e->m->layers[l].experts[0].gate : NULL;   /* NULL: shapes only */
+        uint64_t expert_bytes = g ? 3ull * g->rows * g->cols * gl_type_size(g->type) : 0;
+        for (int x = 0; x < E; x++) ld[x] = (double)load_since[(size_t)l * E + x];
+        for (int x = 0; x < E; x++)            /* the old placement: each replica carries load / replicas */
+            for (int q = 0; q < nrep[x]; q++) before[slot[dev[x * mr + q]]] += ld[x] / nrep[x];
+        memcpy(old, dev, (size_t)E * mr * sizeof(int));
+        memcpy(old_rep, nrep, (size_t)E * sizeof(int));
+        eplb_layer(ld, E, e->exp_devs, ND, e->exp_cap, mr, nrep, dev, per_dev, items, used);
+        for (int d = 0; d < ND; d++) after[d] += per_dev[d];
+        for (int x = 0; x < E; x++)            /* a replica on a device that held none of x: weights copied */
+            for (int q = 0; q < nrep[x]; q++) {
+                int had = 0;
+                for (int o = 0; o < old_rep[x] && !had; o++) had = old[x * mr + o] == dev[x * mr + q];
+                if (!had) moved += expert_bytes;
+            }
         pl_sort(p, l);
     }
+    e->eplb_before = max_over_mean(before, ND);
+    e->eplb_after = max_over_mean(after, ND);
+    e->eplb_moved_bytes += moved;
+    e->eplb_runs++;
+done:
+    CM384_FREE(ld); CM384_FREE(items); CM384_FREE(used); CM384_FREE(old); CM384_FREE(old_rep); CM384_FREE(slot);
+    return r;
 }
 
 /* ---- INT8 W8A8 weights: made once per model, shared by its engines ---- */
@@ -5663,6 +5759,13 @@ static int build_topology(struct cm384_engine *e) {
         first_exp = first_attn + n_attn;
         n_exp = E < e->n_dev - first_exp ? E : e->n_dev - first_exp;
         if (n_exp <= 0) { first_exp = 0; n_exp = e->n_dev < E ? e->n_dev : (E > 0 ? E : 1); }
+        /* redundant experts for EPLB when the model has enough experts to be
+           uneven and the devices to spare: one per eight experts */
+        if (E >= 16 && n_exp == E) {
+            n_red = E / 8;
+            if (n_red > e->n_dev - (first_exp + E)) n_red = e->n_dev - (first_exp + E);
+            if (n_red < 0) n_red = 0;
+        }
     }
     e->dev = CM384_CALLOC((size_t)e->n_dev, sizeof(device));
     e->pre_devs = CM384_MALLOC((size_t)n_pre * sizeof(int));
@@ -5672,39 +5775,50 @@ static int build_topology(struct cm384_engine *e) {
     e->n_attn = n_attn;
     for (int i = 0; i < n_pre; i++) { e->pre_devs[i] = i; e->dev[i].roles |= ROLE_PREFILL; }
     for (int i = 0; i < n_attn; i++) { e->attn_devs[i] = first_attn + i; e->dev[first_attn + i].roles |= ROLE_ATTN; }
+    /* decode's routed experts: n_exp primary devices (exp_cap slots each) and
+       n_red redundant ones, after the shared-expert replicas */
+    int cap = E > 0 ? (E + n_exp - 1) / n_exp : 1;
+    e->n_red = n_red;
+    e->n_exp_devs = n_exp + n_red;
+    e->exp_cap = cap;
+    e->exp_devs = CM384_MALLOC((size_t)e->n_exp_devs * sizeof(int));
+    e->red_devs = CM384_MALLOC((size_t)(n_red > 0 ? n_red : 1) * sizeof(int));
+    if (!e->exp_devs || !e->red_devs) return fail(CM384_E_NOMEM, "out of memory for devices");
+    for (int i = 0; i < n_exp; i++) e->exp_devs[i] = first_exp + i;
+    for (int j = 0; j < n_red; j++) e->exp_devs[n_exp + j] = e->red_devs[j] = first_exp + E + n_shared + j;
+    int max_rep = 1 + e->n_exp_devs * cap - E;        /* every spare slot to one expert, at most */
+    if (max_rep < 1 || E <= 0) max_rep = 1;
     if ((r = pl_alloc(&e->place[PHASE_PREFILL], NL, E, 1, 0))) return r;
-    if ((r = pl_alloc(&e->place[PHASE_DECODE], NL, E, paper && n_red ? 2 : 1, n_shared))) return r;
+    if ((r = pl_alloc(&e->place[PHASE_DECODE], NL, E, max_rep, n_shared))) return r;
     for (int l = 0; l < NL; l++) {
         int *pd = pl_dev(&e->place[PHASE_PREFILL], l), *dd = pl_dev(&e->place[PHASE_DECODE], l);
-        int mr = e->place[PHASE_DECODE].max_rep;
-        for (int x = 0; x < E; x++) {
-            pd[x] = e->pre_devs[x % n_pre];
-            dd[x * mr] = first_exp + x % n_exp;
-        }
-        for (int j = 0; j < n_shared; j++) dd[E * mr + j] = first_exp + E + j;
+        for (int x = 0; x < E; x++) pd[x] = e->pre_devs[x % n_pre];
+        for (int j = 0; j < n_shared; j++) dd[E * max_rep + j] = first_exp + E + j;
         pl_sort(&e->place[PHASE_PREFILL], l);
-        pl_sort(&e->place[PHASE_DECODE], l);
-    }
-    for (int x = 0; x < E; x++) {
-        e->dev[first_exp + x % n_exp].roles |= ROLE_EXPERT;
-        e->dev[first_exp + x % n_exp].n_hosted++;
     }
     for (int j = 0; j < n_shared; j++) e->dev[first_exp + E + j].roles |= ROLE_SHARED;
-    e->red_devs = CM384_MALLOC((size_t)(n_red > 0 ? n_red : 1) * sizeof(int));
-    if (!e->red_devs) return fail(CM384_E_NOMEM, "out of memory");
-    for (int j = 0; j < n_red; j++) {
-        e->red_devs[j] = first_exp + E + n_shared + j;
-        e->dev[e->red_devs[j]].roles |= ROLE_EXPERT;
-    }
-    e->n_red = n_red;
-    if (n_red) {
-        /* start with replicas of evenly spaced experts until load is measured */
-        uint64_t *flat = CM384_CALLOC((size_t)NL * E, sizeof(uint64_t));
-        if (!flat) return fail(CM384_E_NOMEM, "out of memory");
-        for (int l = 0; l < NL; l++) for (int j = 0; j < n_red; j++) flat[(size_t)l * E + (j * E / n_red) % E] = 1;
-        eplb_rebalance(e, flat);
-        CM384_FREE(flat);
-    }
+    /* the first placement: EPLB on an even load (expert x on device x, spare
+       slots to the first experts) until decode load is measured */
+    uint64_t *even = CM384_MALLOC((size_t)NL * (E > 0 ? E : 1) * sizeof(uint64_t));
+    if (!even) return fail(CM384_E_NOMEM, "out of memory");
+    for (size_t i = 0; i < (size_t)NL * (E > 0 ? E : 1); i++) even[i] = 1;
+    for (int l = 0; l < NL; l++)         /* placement entries of dense layers stay where they are */
+        if (!e->m->layers[l].is_moe) {
+            int *dd = pl_dev(&e->place[PHASE_DECODE], l);
+            for (int x = 0; x < E; x++) dd[x * max_rep] = e->exp_devs[x % n_exp];
+            pl_sort(&e->place[PHASE_DECODE], l);
+        }
+    r = eplb_rebalance(e, even);
+    CM384_FREE(even);
+    if (r) return r;
+    e->eplb_runs = 0; e->eplb_moved_bytes = 0; e->eplb_before = e->eplb_after = 0;
+    for (int l = 0; l < NL; l++)             /* roles: what decode's placement puts where */
+        if (E > 0 && e->m->layers[l].is_moe) {
+            const int *dd = pl_dev(&e->place[PHASE_DECODE], l);
+            for (int i = 0; i < E * max_rep; i++)
+                if (dd[i] >= 0) { e->dev[dd[i]].roles |= ROLE_EXPERT; e->dev[dd[i]].n_hosted++; }
+            break;
+        }
     return CM384_OK;
 }
 
@@ -6682,14 +6796,16 @@ static void decode_step(struct cm384_engine *e) {
             check_stop(e, r);
         }
     }
-    if (e->place[PHASE_DECODE].max_rep > 1 && ++S->steps_since_rebalance >= 32) {
-        /* EPLB: re-place redundant experts from the load measured since last time */
+    if (e->n_red > 0 && e->cfg.eplb_period > 0 && ++S->steps_since_rebalance >= e->cfg.eplb_period) {
+        /* EPLB: re-place decode's experts from the decode load measured since last time */
         const hparams *hp = &e->m->hp;
         size_t n = (size_t)(hp->n_layers + hp->n_mtp) * hp->n_routed;
-        for (size_t i = 0; i < n; i++) { uint64_t v = e->expert_load[i]; S->load_mark[i] = v - S->load_mark[i]; }
-        eplb_rebalance(e, S->load_mark);
-        engine_log(e, 1, "EPLB: redundant experts re-placed from the load of the last 32 decode steps");
-        memcpy(S->load_mark, e->expert_load, n * sizeof(uint64_t));
+        const uint64_t *decode_load = e->expert_load + n;
+        for (size_t i = 0; i < n; i++) { uint64_t v = decode_load[i]; S->load_mark[i] = v - S->load_mark[i]; }
+        if (eplb_rebalance(e, S->load_mark) == CM384_OK)
+            engine_log(e, 1, "EPLB: experts re-placed from the load of the last %d decode steps: expert-device "
+                       "load max/mean %.2f -> %.2f", e->cfg.eplb_period, e->eplb_before, e->eplb_after);
+        memcpy(S->load_mark, decode_load, n * sizeof(uint64_t));
         S->steps_since_rebalance = 0;
     }
 }
@@ -6790,16 +6906,21 @@ int cm384_get_stats(cm384_engine *e, cm384_stats *out) {
     st.kv_blocks_cached = (uint64_t)e->n_cached;
     st.decode_batch_cap = S->decode_cap;
     st.slo_infeasible = S->slo.infeasible;
-    uint64_t mx = 0, sum = 0;
+    uint64_t mx = 0, sum = 0;            /* decode rows on the routed-expert devices */
     int n_exp = 0;
-    for (int d = 0; d < e->n_dev; d++) {
-        if (!(e->dev[d].roles & (ROLE_EXPERT | ROLE_SHARED))) continue;
-        n_exp++;
-        sum += e->dev_rows[d];
-        if (e->dev_rows[d] > mx) mx = e->dev_rows[d];
+    for (int d = 0; d < e->n_dev; d++) if (e->dev[d].roles & (ROLE_EXPERT | ROLE_SHARED)) n_exp++;
+    for (int i = 0; i < e->n_exp_devs; i++) {
+        uint64_t v = e->dev_rows[(size_t)e->n_dev + e->exp_devs[i]];
+        sum += v;
+        if (v > mx) mx = v;
     }
+    st.eplb_runs = e->eplb_runs;
+    st.eplb_load_before = e->eplb_before;
+    st.eplb_load_after = e->eplb_after;
+    st.eplb_moved_bytes = e->eplb_moved_bytes;
+    st.n_redundant_experts = e->n_red;
     pthread_mutex_unlock(&S->step_mu);
-    st.expert_load_max_over_mean = sum ? (double)mx * n_exp / (double)sum : 0;
+    st.expert_load_max_over_mean = sum ? (double)mx * e->n_exp_devs / (double)sum : 0;
     st.n_devices = e->n_dev;
     st.n_workers = e->n_workers;
     st.n_prefill_devices = e->n_pre;
@@ -6834,7 +6955,8 @@ int cm384_get_expert_load(cm384_engine *e, int layer, uint64_t *tokens, int cap)
     pthread_mutex_lock(&e->sched->step_mu);
     for (int x = 0; tokens && x < E && x < cap; x++) {
         uint64_t v = 0;
-        for (int l = layer < 0 ? 0 : layer; l < (layer < 0 ? NL : layer + 1); l++) v += e->expert_load[(size_t)l * E + x];
+        for (int l = layer < 0 ? 0 : layer; l < (layer < 0 ? NL : layer + 1); l++)
+            v += e->expert_load[(size_t)l * E + x] + e->expert_load[((size_t)NL + l) * E + x];   /* both phases */
         tokens[x] = v;
     }
     pthread_mutex_unlock(&e->sched->step_mu);
@@ -6849,6 +6971,16 @@ int cm384_get_device_busy(cm384_engine *e, double *busy_ms, int cap) {
         for (int w = 0; w < e->n_workers; w++) ns += e->busy[(size_t)w * e->n_dev + d];
         busy_ms[d] = ns / 1e6;
     }
+    pthread_mutex_unlock(&e->sched->step_mu);
+    return e->n_dev;
+}
+
+int cm384_get_device_rows(cm384_engine *e, int phase, uint64_t *rows, int cap) {
+    if (!e) return fail(CM384_E_INVALID, "cm384_get_device_rows: NULL engine");
+    if (phase < -1 || phase > 1) return fail(CM384_E_INVALID, "cm384_get_device_rows: phase %d is not -1, 0 or 1", phase);
+    pthread_mutex_lock(&e->sched->step_mu);
+    for (int d = 0; rows && d < e->n_dev && d < cap; d++)
+        rows[d] = phase < 0 ? e->dev_rows[d] + e->dev_rows[(size_t)e->n_dev + d] : e->dev_rows[(size_t)phase * e->n_dev + d];
     pthread_mutex_unlock(&e->sched->step_mu);
     return e->n_dev;
 }
@@ -6872,9 +7004,9 @@ void cm384_reset_stats(cm384_engine *e) {
     e->kv_handoff_bytes = 0;
     for (size_t i = 0; i < (size_t)e->n_dev * e->n_dev; i++) { atomic_store(&e->traffic[i], 0); atomic_store(&e->msgs[i], 0); }
     memset(e->busy, 0, (size_t)e->n_workers * e->n_dev * sizeof(uint64_t));
-    memset(e->dev_rows, 0, (size_t)e->n_dev * sizeof(uint64_t));
+    memset(e->dev_rows, 0, 2 * (size_t)e->n_dev * sizeof(uint64_t));
     size_t n_load = (size_t)(e->m->hp.n_layers + e->m->hp.n_mtp) * (size_t)(e->m->hp.n_routed > 0 ? e->m->hp.n_routed : 1);
-    memset(e->expert_load, 0, n_load * sizeof(uint64_t));
+    memset(e->expert_load, 0, 2 * n_load * sizeof(uint64_t));
     memset(S->load_mark, 0, n_load * sizeof(uint64_t));
     pthread_mutex_unlock(&S->step_mu);
 }
@@ -6960,7 +7092,13 @@ int cm384_report(cm384_engine *e, char *buf, size_t cap) {
                 if (by[s][d]) sb_printf(&b, "  %-24s -> %-24s %10.2f\n", role_name((unsigned)s), role_name((unsigned)d), mb_of(by[s][d]));
     }
     /* expert devices */
-    sb_printf(&b, "expert load: max/mean over expert devices %.2f\n", st.expert_load_max_over_mean);
+    sb_printf(&b, "expert load: max/mean decode rows over routed-expert devices %.2f\n", st.expert_load_max_over_mean);
+    if (st.n_redundant_experts > 0)
+        sb_printf(&b, "EPLB: %d redundant experts, %llu re-placements%s", st.n_redundant_experts,
+                  (unsigned long long)st.eplb_runs, st.eplb_runs ? "" : "\n");
+    if (st.n_redundant_experts > 0 && st.eplb_runs)
+        sb_printf(&b, ", the last: device load max/mean %.2f -> %.2f; %.1f MB of expert weights moved in all\n",
+                  st.eplb_load_before, st.eplb_load_after, mb_of(st.eplb_moved_bytes));
     {
         const hparams *hp = &e->m->hp;
         int E = hp->n_routed, NL = hp->n_layers + hp->n_mtp;
@@ -6968,7 +7106,7 @@ int cm384_report(cm384_engine *e, char *buf, size_t cap) {
             sb_printf(&b, "  tokens per expert, summed over layers (top 8):\n");
             uint64_t *tot = CM384_CALLOC((size_t)E, sizeof(uint64_t));
             if (tot) {
-                for (int l = 0; l < NL; l++) for (int x = 0; x < E; x++) tot[x] += e->expert_load[(size_t)l * E + x];
+                for (int l = 0; l < 2 * NL; l++) for (int x = 0; x < E; x++) tot[x] += e->expert_load[(size_t)l * E + x];
                 unsigned char shown[1024] = {0};
                 for (int i = 0; i < 8 && i < E; i++) {
                     int best = -1;
@@ -7087,6 +7225,7 @@ void cm384_engine_free(cm384_engine *e) {
     pl_free(&e->place[0]);
     pl_free(&e->place[1]);
     CM384_FREE(e->dev); CM384_FREE(e->pre_devs); CM384_FREE(e->attn_devs); CM384_FREE(e->red_devs);
+    CM384_FREE(e->exp_devs);
     CM384_FREE(e->pool);
     CM384_FREE(e->traffic); CM384_FREE(e->msgs); CM384_FREE(e->busy);
     CM384_FREE(e->expert_load); CM384_FREE(e->dev_rows); CM384_FREE(e->tev); CM384_FREE(e->trace_named);
@@ -7116,6 +7255,7 @@ static int config_resolve(cm384_config *c, const hparams *hp, const char *preset
     RANGE(int8_dispatch, -1, 1);
     RANGE(microbatches, 0, 2);
     RANGE(mtp, 0, 1);
+    RANGE(eplb_period, -1, 1000000);
 #undef RANGE
     if (!(c->tpot_target_ms >= 0) || isinf(c->tpot_target_ms))
         return fail(CM384_E_INVALID, "config.tpot_target_ms = %g is not a finite value >= 0", c->tpot_target_ms);
@@ -7128,6 +7268,7 @@ static int config_resolve(cm384_config *c, const hparams *hp, const char *preset
     if (c->prefill_chunk == 0) c->prefill_chunk = 512;
     if (c->microbatches == 0) c->microbatches = paper ? 2 : 1;
     if (c->int8_dispatch < 0) c->int8_dispatch = paper;     /* an approximation: only the paper preset's default */
+    if (c->eplb_period == 0) c->eplb_period = 32;
     return CM384_OK;
 }
 
@@ -7259,9 +7400,9 @@ int cm384_engine_create(const cm384_model *m, const cm384_config *cfg, cm384_eng
         e->traffic = CM384_CALLOC(nd * nd, sizeof *e->traffic);
         e->msgs = CM384_CALLOC(nd * nd, sizeof *e->msgs);
         e->busy = CM384_CALLOC((size_t)e->n_workers * nd, sizeof *e->busy);
-        e->expert_load = CM384_CALLOC(NL * E, sizeof *e->expert_load);
+        e->expert_load = CM384_CALLOC(2 * NL * E, sizeof *e->expert_load);     /* per phase */
         S->load_mark = CM384_CALLOC(NL * E, sizeof *S->load_mark);
-        e->dev_rows = CM384_CALLOC(nd, sizeof *e->dev_rows);
+        e->dev_rows = CM384_CALLOC(2 * nd, sizeof *e->dev_rows);
         e->rg.g = CM384_CALLOC((size_t)e->rg.cap, sizeof(rg_group));
         e->rg.e = e;
         S->run = CM384_CALLOC((size_t)c.max_batch, sizeof *S->run);

@@ -364,6 +364,12 @@ typedef struct cm384_config {
                                       on the creating or scheduler thread.
                                       NULL = silent                                  */
     void        *log_user;
+    /* appended fields */
+    int          eplb_period;      /* decode steps between EPLB re-placements of the
+                                      routed experts, from decode load, where the
+                                      preset has redundant slots (paper; default
+                                      with >= 16 experts); 0 = 32, -1 = never (the
+                                      first, even placement stays)                   */
 } cm384_config;
 
 CM384_API void cm384_config_init(cm384_config *c);
@@ -509,11 +515,19 @@ typedef struct cm384_stats {
     uint64_t cache_evictions;
     /* placement */
     int      n_devices, n_workers, n_prefill_devices, n_attn_devices, n_expert_devices;
-    double   expert_load_max_over_mean;   /* tokens per expert device, max/mean  */
+    double   expert_load_max_over_mean;   /* decode rows per routed-expert device,
+                                             max/mean                               */
     /* the SLO controller (tpot_target_ms) */
     int      decode_batch_cap;        /* the decode batch it allows now (max_batch
                                          without a target)                         */
     int      slo_infeasible;          /* 1: even one request alone misses the target */
+    /* EPLB (decode's redundant experts, re-placed from decode load) */
+    int      n_redundant_experts;     /* spare expert slots: 0 = no EPLB            */
+    uint64_t eplb_runs;               /* re-placements so far                       */
+    double   eplb_load_before, eplb_load_after;   /* the last one: max/mean expert-
+                                         device load of its window under the old and
+                                         the new placement                          */
+    uint64_t eplb_moved_bytes;        /* expert weights a real supernode would copy  */
 } cm384_stats;
 
 CM384_API int  cm384_get_stats(cm384_engine *e, cm384_stats *out);
@@ -535,6 +549,11 @@ CM384_API int  cm384_get_expert_load(cm384_engine *e, int layer, uint64_t *token
 /* Milliseconds each device's tasks have run.  Writes at most cap entries;
  * returns the number of devices. */
 CM384_API int  cm384_get_device_busy(cm384_engine *e, double *busy_ms, int cap);
+
+/* Expert rows (token copies) each device computed: phase 0 prefill, 1 decode,
+ * -1 both.  EPLB evens decode's.  Writes at most cap entries; returns the
+ * number of devices. */
+CM384_API int  cm384_get_device_rows(cm384_engine *e, int phase, uint64_t *rows, int cap);
 
 /* A device's roles: "prefill", "attention", "expert", "shared", combinations
  * joined by '+', or "idle".  Static string; "" for a bad device. */

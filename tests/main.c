@@ -17,6 +17,7 @@
 #include "test_api.c"
 #include "test_trust.c"
 #include "test_slo.c"
+#include "test_eplb.c"
 
 static const struct {
     const char *name;
@@ -32,6 +33,7 @@ static const struct {
     {"api", test_main_api},
     {"trust", test_main_trust},
     {"slo", test_main_slo},
+    {"eplb", test_main_eplb},
 };
 
 int main(int argc, char **argv) {

@@ -37,12 +37,12 @@ T="$B/cm384_tests"
 [ -f "$B/models/v3-width/config.json" ] ||
     "$B/gen_synth" --preset tiny --set hidden_size=7168 --no-index "$B/models/v3-width" >/dev/null 2>&1 ||
     echo "   (could not generate $B/models/v3-width)"
-for t in tokenizer kernels golden loader engine alloc model api trust slo; do
+for t in tokenizer kernels golden loader engine alloc model api trust slo eplb; do
     step "$t" "$T" $t
 done
 
 # the same under AddressSanitizer + UndefinedBehaviorSanitizer
-for t in tokenizer kernels golden loader api trust slo; do
+for t in tokenizer kernels golden loader api trust slo eplb; do
     step "asan+ubsan $t" env ASAN_OPTIONS=detect_leaks=1 "$B/asan/cm384_tests" $t
 done
 step "asan+ubsan model" env CM384_QUICK=1 ASAN_OPTIONS=detect_leaks=1 "$B/asan/cm384_tests" model

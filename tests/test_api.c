@@ -242,7 +242,7 @@ static void paper_v3(void) {
           "EP320 layout");
     pl_free(&e.place[0]);
     pl_free(&e.place[1]);
-    free(e.dev); free(e.pre_devs); free(e.attn_devs); free(e.red_devs);
+    free(e.dev); free(e.pre_devs); free(e.attn_devs); free(e.red_devs); free(e.exp_devs);
 }
 
 /* ---- what the observability calls report adds up ---- */
