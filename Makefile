@@ -67,6 +67,10 @@ $(B)/embed-amalgamated: $(DIST)/cm384.c $(DIST)/cm384.h examples/embed.c | $(B)
 	cd $(B)/amalg && $(CC) $(CFLAGS) examples/embed.c cm384.c -o embed $(LDLIBS)
 	cp $(B)/amalg/embed $@
 
+# the server and the library under ThreadSanitizer, for the server test
+$(B)/tsan/cm384-server: examples/server.c $(SRC) | $(B)/tsan
+	$(CC) -std=c11 -Wall -Wextra -pthread $(SAN) -fsanitize=thread examples/server.c cm384.c -o $@ $(LDLIBS)
+
 $(B)/gen_synth: models/gen/gen_synth.c | $(B)
 	$(CC) -O2 -std=c11 -Wall -Wextra models/gen/gen_synth.c -o $@ -lm
 
@@ -99,7 +103,7 @@ $(B)/asan/cm384_tests: $(TEST_SRC) $(SRC) | $(B)/asan
 $(B)/tsan/cm384_tests: $(TEST_SRC) $(SRC) | $(B)/tsan
 	$(CC) -std=c11 -Wall -Wextra -pthread $(SAN) -fsanitize=thread tests/main.c -o $@ $(LDLIBS) $(TEST_WRAP)
 
-test-bins: all $(B)/gen_synth $(B)/embed-amalgamated $(B)/cm384_tests $(B)/asan/cm384_tests $(B)/tsan/cm384_tests
+test-bins: all $(B)/gen_synth $(B)/embed-amalgamated $(B)/tsan/cm384-server $(B)/cm384_tests $(B)/asan/cm384_tests $(B)/tsan/cm384_tests
 
 test: test-bins
 	@B=$(B) MODEL=$(MODEL) CC="$(CC)" sh tests/run.sh

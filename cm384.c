@@ -6881,6 +6881,9 @@ int cm384_get_stats(cm384_engine *e, cm384_stats *out) {
     size_t sz = out->struct_size && out->struct_size < sizeof *out ? out->struct_size : sizeof *out;
     sched *S = e->sched;
     cm384_stats st;
+    /* a step writes the counters under step_mu, submit and finish under
+       e->mu: hold both, in the scheduler's order (step_mu, then e->mu) */
+    pthread_mutex_lock(&S->step_mu);
     pthread_mutex_lock(&e->mu);
     st = S->st;
     st.ttft_p50_ms = pct(S->ttft, S->n_ttft, 0.50);
@@ -6901,7 +6904,7 @@ int cm384_get_stats(cm384_engine *e, cm384_stats *out) {
     st.kv_handoff_bytes = e->kv_handoff_bytes;
     st.pool_bytes = e->pool_bytes;
     st.kv_blocks_total = (uint64_t)e->kv.n_blocks;
-    pthread_mutex_lock(&S->step_mu);          /* block state belongs to the scheduler */
+    /* block state belongs to the scheduler: still under step_mu */
     st.kv_blocks_used = (uint64_t)(e->kv.n_blocks - e->n_free);
     st.kv_blocks_cached = (uint64_t)e->n_cached;
     st.decode_batch_cap = S->decode_cap;

@@ -731,7 +731,7 @@ static struct {
     uint64_t        conns_refused, conns_total, next_id;
     uint64_t        http[6];          /* answers by status class 1xx..5xx */
     uint64_t        gen_requests, gen_finished, gen_disconnected, gen_stopped;
-    volatile sig_atomic_t stop;
+    atomic_int      stop;             /* set by SIGINT/SIGTERM (lock-free: safe in a handler) */
 } S;
 
 static const char *status_text(int code) {
@@ -1323,7 +1323,7 @@ static void *conn_thread(void *arg) {
 
 static void on_signal(int sig) {
     (void)sig;
-    S.stop = 1;
+    atomic_store(&S.stop, 1);
 }
 
 /* ======================================================================== */

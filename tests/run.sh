@@ -101,6 +101,8 @@ if command -v node >/dev/null 2>&1 && command -v npm >/dev/null 2>&1 && command 
     fi
     if [ -f "$B/npm/node_modules/openai/package.json" ]; then
         step "server: openai client, curl, load run" env NODE_PATH="$B/npm/node_modules" node tests/server/server_test.mjs "$B/cm384-server" models/shakespeare
+        step "tsan server: openai client, curl, 16-client load run" env SERVER_TEST_TSAN=1 TSAN_OPTIONS="halt_on_error=0" \
+            NODE_PATH="$B/npm/node_modules" node tests/server/server_test.mjs "$B/tsan/cm384-server" models/shakespeare
     else
         echo "== server: skipped (the openai npm package could not be installed into $B/npm; .ci/run installs it)"
     fi
