@@ -711,7 +711,7 @@ static int gen_params_parse(const jval *body, int chat, gen_params *g, char *err
 #ifndef SERVER_NO_MAIN
 
 typedef struct {
-    const char *model_path, *host, *alias, *preset;
+    const char *model_path, *host, *alias, *preset, *chat_format;
     int         port, max_conns, threads, devices, max_ctx, max_batch, mtp, int8;
     double      kv_pool_mib, cache_mib;     /* 0: the engine's defaults; cache < 0: off */
     size_t      max_body, max_header;
@@ -723,7 +723,7 @@ static struct {
     cm384_model    *model;
     cm384_engine   *engine;
     char            model_id[128];
-    int             max_ctx, eos;
+    int             max_ctx, eos, chat_format;   /* CM384_CHAT_MODEL or --chat-format */
     time_t          started;
     pthread_mutex_t mu;
     pthread_cond_t  idle;
@@ -877,14 +877,14 @@ static int run_completion(int fd, gen_params *g, int keep_alive) {
     int32_t *ids = NULL;
     int n_ids = 0;
     if (g->chat) {
-        int n = cm384_chat_render(S.model, g->msgs, g->n_msgs, CM384_CHAT_ADD_GENERATION_PROMPT, NULL, 0);
+        int n = cm384_chat_render_format(S.model, S.chat_format, g->msgs, g->n_msgs, CM384_CHAT_ADD_GENERATION_PROMPT, NULL, 0);
         if (n < 0) {
             snprintf(err, sizeof err, "cannot render the conversation: %s", cm384_last_error());
             return send_error(fd, n == CM384_E_UNSUPPORTED ? 500 : 400, "messages", err, keep_alive);
         }
         char *txt = xmalloc((size_t)n + 1);
         if (!txt) return send_error(fd, 500, NULL, "out of memory", 0), -1;
-        cm384_chat_render(S.model, g->msgs, g->n_msgs, CM384_CHAT_ADD_GENERATION_PROMPT, txt, (size_t)n + 1);
+        cm384_chat_render_format(S.model, S.chat_format, g->msgs, g->n_msgs, CM384_CHAT_ADD_GENERATION_PROMPT, txt, (size_t)n + 1);
         int k = cm384_tokenize(S.model, txt, (size_t)n, NULL, 0, 0);
         if (k > 0 && (ids = xmalloc((size_t)k * sizeof *ids)) != NULL) n_ids = cm384_tokenize(S.model, txt, (size_t)n, ids, k, 0);
         xfree(txt);
@@ -1350,6 +1350,9 @@ static void usage(FILE *f) {
             "  -t N                  worker threads (default: online cores)\n"
             "  --devices N           emulated devices (default 384)\n"
             "  --preset NAME         default | paper | single\n"
+            "  --chat-format NAME    deepseek-v2 | deepseek-v2-0628 | deepseek-v2.5 | deepseek-v3 | deepseek-r1:\n"
+            "                        render chats so even when the model's template is missing or unknown\n"
+            "                        (default: the format recognised from the model's template)\n"
             "  --int8                INT8 W8A8 weights\n"
             "  --mtp                 speculative decoding with the MTP layer\n"
             "  -h, --help            this text\n"
@@ -1398,6 +1401,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "-t")) o->threads = atoi(v);
         else if (!strcmp(a, "--devices")) o->devices = atoi(v);
         else if (!strcmp(a, "--preset")) o->preset = v;
+        else if (!strcmp(a, "--chat-format")) o->chat_format = v;
         else { fprintf(stderr, "cm384-server: unknown option %s (see --help)\n", a); return 2; }
     }
     if (!o->model_path) { usage(stderr); return 2; }
@@ -1426,6 +1430,15 @@ int main(int argc, char **argv) {
     info.struct_size = sizeof info;
     cm384_model_get_info(S.model, &info);
     int fmt = cm384_chat_format(S.model);
+    if (o->chat_format) {
+        for (S.chat_format = 1; S.chat_format < 64 && strcmp(cm384_chat_format_name(S.chat_format), o->chat_format); S.chat_format++) {}
+        if (S.chat_format == 64 || !*cm384_chat_format_name(S.chat_format)) {
+            fprintf(stderr, "cm384-server: unknown --chat-format %s (see --help)\n", o->chat_format);
+            cm384_model_free(S.model);
+            return 2;
+        }
+        fmt = S.chat_format;
+    }
     cm384_config cfg;
     cm384_config_init(&cfg);
     if (o->threads) cfg.n_workers = o->threads;

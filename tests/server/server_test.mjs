@@ -332,5 +332,13 @@ const code = await new Promise((resolve) => {
   setTimeout(() => { srv.kill('SIGKILL'); resolve('killed'); }, 20_000);
 });
 check(code === 0, 'server exits 0 on SIGTERM: ' + code);
+// ---- the command line ----
+const run = (args) => new Promise((resolve) => execFile(bin, args, (err, stdout, stderr) => resolve({ code: err ? err.code : 0, stdout, stderr })));
+let cl = await run(['--help']);
+check(cl.code === 0 && /POST \/v1\/chat\/completions/.test(cl.stdout) && /--host ADDR/.test(cl.stdout), '--help');
+cl = await run(['-m', modelDir, '--chat-format', 'deepseek-v9']);
+check(cl.code === 2 && /unknown --chat-format/.test(cl.stderr), '--chat-format with an unknown name: ' + cl.code + ' ' + cl.stderr);
+cl = await run(['--port']);
+check(cl.code === 2 && /needs a value/.test(cl.stderr), 'an option without its value');
 console.log(`server: ${passed} passed, ${failed} failed`);
 process.exit(failed ? 1 : 0);
