@@ -4454,6 +4454,9 @@ struct cm384_engine {
     double            eplb_before, eplb_after;   /* last one: max/mean device load of
                                                 its window, old and new placement */
     uint64_t          eplb_moved_bytes;      /* expert weights that changed device */
+    double           *eplb_ld;               /* EPLB scratch, made with the topology */
+    struct eplb_item *eplb_items;
+    int              *eplb_used, *eplb_old;
     _Atomic uint64_t  dispatch_bytes, dispatch_bytes_bf16, combine_bytes, combine_bytes_bf16, n_messages;
     uint64_t          kv_handoff_bytes;
     int              *dbg_route;             /* tests: [layers][max_ctx][K] experts */
@@ -5611,13 +5614,10 @@ static int eplb_rebalance(struct cm384_engine *e, const uint64_t *load_since) {
     placement *p = &e->place[PHASE_DECODE];
     int E = hp->n_routed, NL = hp->n_layers + hp->n_mtp, ND = e->n_exp_devs, mr = p->max_rep;
     if (E <= 0 || ND <= 0) return CM384_OK;
-    double *ld = CM384_MALLOC(((size_t)E + 3 * (size_t)ND) * sizeof(double));
-    eplb_item *items = CM384_MALLOC((size_t)ND * e->exp_cap * sizeof(eplb_item));
-    int *used = CM384_MALLOC((size_t)ND * sizeof(int)), *old = CM384_MALLOC((size_t)E * mr * sizeof(int));
-    int *old_rep = CM384_MALLOC((size_t)E * sizeof(int)), *slot = CM384_MALLOC((size_t)e->n_dev * sizeof(int));
-    int r = CM384_OK;
-    if (!ld || !items || !used || !old || !old_rep || !slot) { r = fail(CM384_E_NOMEM, "out of memory for EPLB"); goto done; }
-    double *before = ld + E, *after = before + ND, *per_dev = after + ND;
+    /* scratch made once with the topology: no allocation on the decode path */
+    double *ld = e->eplb_ld, *before = ld + E, *after = before + ND, *per_dev = after + ND;
+    eplb_item *items = e->eplb_items;
+    int *used = e->eplb_used, *old = e->eplb_old, *old_rep = old + (size_t)E * mr, *slot = old_rep + E;
     for (int d = 0; d < e->n_dev; d++) slot[d] = -1;
     for (int d = 0; d < ND; d++) { slot[e->exp_devs[d]] = d; before[d] = after[d] = 0; }
     uint64_t moved = 0;
@@ -5628,7 +5628,8 @@ static int eplb_rebalance(struct cm384_engine *e, const uint64_t *load_since) {
         uint64_t expert_bytes = g ? 3ull * g->rows * g->cols * gl_type_size(g->type) : 0;
         for (int x = 0; x < E; x++) ld[x] = (double)load_since[(size_t)l * E + x];
         for (int x = 0; x < E; x++)            /* the old placement: each replica carries load / replicas */
-            for (int q = 0; q < nrep[x]; q++) before[slot[dev[x * mr + q]]] += ld[x] / nrep[x];
+            for (int q = 0; q < nrep[x]; q++)
+                if (dev[x * mr + q] >= 0) before[slot[dev[x * mr + q]]] += ld[x] / nrep[x];
         memcpy(old, dev, (size_t)E * mr * sizeof(int));
         memcpy(old_rep, nrep, (size_t)E * sizeof(int));
         eplb_layer(ld, E, e->exp_devs, ND, e->exp_cap, mr, nrep, dev, per_dev, items, used);
@@ -5645,9 +5646,7 @@ static int eplb_rebalance(struct cm384_engine *e, const uint64_t *load_since) {
     e->eplb_after = max_over_mean(after, ND);
     e->eplb_moved_bytes += moved;
     e->eplb_runs++;
-done:
-    CM384_FREE(ld); CM384_FREE(items); CM384_FREE(used); CM384_FREE(old); CM384_FREE(old_rep); CM384_FREE(slot);
-    return r;
+    return CM384_OK;
 }
 
 /* ---- INT8 W8A8 weights: made once per model, shared by its engines ---- */
@@ -5790,6 +5789,12 @@ static int build_topology(struct cm384_engine *e) {
     if (max_rep < 1 || E <= 0) max_rep = 1;
     if ((r = pl_alloc(&e->place[PHASE_PREFILL], NL, E, 1, 0))) return r;
     if ((r = pl_alloc(&e->place[PHASE_DECODE], NL, E, max_rep, n_shared))) return r;
+    size_t Ez = E > 0 ? (size_t)E : 1, ND = (size_t)e->n_exp_devs;
+    e->eplb_ld = CM384_MALLOC((Ez + 3 * ND) * sizeof(double));
+    e->eplb_items = CM384_MALLOC(ND * cap * sizeof(struct eplb_item));
+    e->eplb_used = CM384_MALLOC(ND * sizeof(int));
+    e->eplb_old = CM384_MALLOC((Ez * max_rep + Ez + (size_t)e->n_dev) * sizeof(int));
+    if (!e->eplb_ld || !e->eplb_items || !e->eplb_used || !e->eplb_old) return fail(CM384_E_NOMEM, "out of memory for EPLB");
     for (int l = 0; l < NL; l++) {
         int *pd = pl_dev(&e->place[PHASE_PREFILL], l), *dd = pl_dev(&e->place[PHASE_DECODE], l);
         for (int x = 0; x < E; x++) pd[x] = e->pre_devs[x % n_pre];
@@ -7229,6 +7234,7 @@ void cm384_engine_free(cm384_engine *e) {
     pl_free(&e->place[1]);
     CM384_FREE(e->dev); CM384_FREE(e->pre_devs); CM384_FREE(e->attn_devs); CM384_FREE(e->red_devs);
     CM384_FREE(e->exp_devs);
+    CM384_FREE(e->eplb_ld); CM384_FREE(e->eplb_items); CM384_FREE(e->eplb_used); CM384_FREE(e->eplb_old);
     CM384_FREE(e->pool);
     CM384_FREE(e->traffic); CM384_FREE(e->msgs); CM384_FREE(e->busy);
     CM384_FREE(e->expert_load); CM384_FREE(e->dev_rows); CM384_FREE(e->tev); CM384_FREE(e->trace_named);

@@ -243,6 +243,7 @@ static void paper_v3(void) {
     pl_free(&e.place[0]);
     pl_free(&e.place[1]);
     free(e.dev); free(e.pre_devs); free(e.attn_devs); free(e.red_devs); free(e.exp_devs);
+    free(e.eplb_ld); free(e.eplb_items); free(e.eplb_used); free(e.eplb_old);
 }
 
 /* ---- what the observability calls report adds up ---- */
