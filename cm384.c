@@ -4450,6 +4450,7 @@ struct cm384_engine {
     uint64_t         *expert_load;           /* [layers][E] tokens routed       */
     uint64_t         *dev_rows;              /* [2][n_dev] rows computed as expert,
                                                 per phase                       */
+    uint64_t         *dev_rows_layer;        /* [layers][n_dev] decode's, per layer */
     uint64_t          eplb_runs;             /* re-placements made              */
     double            eplb_before, eplb_after;   /* last one: max/mean device load of
                                                 its window, old and new placement */
@@ -5004,6 +5005,7 @@ static void moe_layout(op *o) {
     const hparams *hp = &e->m->hp;
     const placement *pl = &e->place[mb->phase];
     int E = hp->n_routed, K = hp->top_k, D = hp->dim, l = o->layer, ne = pl->n_entries;
+    int NLT = hp->n_layers + hp->n_mtp;
     const int *dev = pl_dev(pl, l), *nrep = pl_nrep(pl, l, E), *ord = pl_order(pl, l);
     int *count = s->entry_count, *first = s->entry_first;
     memset(count, 0, (size_t)ne * sizeof(int));
@@ -5048,7 +5050,11 @@ static void moe_layout(op *o) {
         }
     }
     uint64_t *rows_of_dev = e->dev_rows + (size_t)mb->phase * e->n_dev;
-    for (int i = 0; i < ne && ord[i] >= 0; i++) rows_of_dev[dev[ord[i]]] += (uint64_t)count[ord[i]];
+    uint64_t *rows_of_layer = mb->phase == PHASE_DECODE && l < NLT ? e->dev_rows_layer + (size_t)l * e->n_dev : NULL;
+    for (int i = 0; i < ne && ord[i] >= 0; i++) {
+        rows_of_dev[dev[ord[i]]] += (uint64_t)count[ord[i]];
+        if (rows_of_layer) rows_of_layer[dev[ord[i]]] += (uint64_t)count[ord[i]];
+    }
     atomic_fetch_add_explicit(&e->dispatch_bytes, disp, memory_order_relaxed);
     atomic_fetch_add_explicit(&e->dispatch_bytes_bf16, disp16, memory_order_relaxed);
     atomic_fetch_add_explicit(&e->combine_bytes, comb, memory_order_relaxed);
@@ -5600,50 +5606,62 @@ static void eplb_layer(const double *load, int E, const int *devs, int n_devs, i
     }
 }
 
-static double max_over_mean(const double *v, int n) {
-    double mx = 0, sum = 0;
-    for (int i = 0; i < n; i++) { sum += v[i]; if (v[i] > mx) mx = v[i]; }
-    return sum > 0 ? mx * n / sum : 0;
-}
-
 /* Re-places decode's routed experts, every layer, from load[NL][E] (decode
- * tokens per expert since the last time).  Records how even the expert
- * devices' load was under the old placement and is under the new one. */
+ * tokens per expert since the last time).  A layer's experts run as one
+ * dispatch that waits for its busiest device, so imbalance is measured per
+ * layer: sum over layers of the busiest device's load over the sum of the
+ * mean loads (1 = perfectly even).  A layer keeps its placement unless the
+ * new one lowers its busiest device (no weights move for nothing). */
 static int eplb_rebalance(struct cm384_engine *e, const uint64_t *load_since) {
     const hparams *hp = &e->m->hp;
     placement *p = &e->place[PHASE_DECODE];
     int E = hp->n_routed, NL = hp->n_layers + hp->n_mtp, ND = e->n_exp_devs, mr = p->max_rep;
     if (E <= 0 || ND <= 0) return CM384_OK;
     /* scratch made once with the topology: no allocation on the decode path */
-    double *ld = e->eplb_ld, *before = ld + E, *after = before + ND, *per_dev = after + ND;
+    double *ld = e->eplb_ld, *before = ld + E, *per_dev = before + ND;
     eplb_item *items = e->eplb_items;
     int *used = e->eplb_used, *old = e->eplb_old, *old_rep = old + (size_t)E * mr, *slot = old_rep + E;
     for (int d = 0; d < e->n_dev; d++) slot[d] = -1;
-    for (int d = 0; d < ND; d++) { slot[e->exp_devs[d]] = d; before[d] = after[d] = 0; }
+    for (int d = 0; d < ND; d++) slot[e->exp_devs[d]] = d;
     uint64_t moved = 0;
+    double sum_max_before = 0, sum_max_after = 0, sum_mean = 0;
     for (int l = 0; l < NL; l++) {
         if (!e->m->layers[l].is_moe) continue;
-        int *dev = pl_dev(p, l), *nrep = pl_nrep(p, l, E);
+        int *dev = pl_dev(p, l), *nrep = pl_nrep(p, l, E), placed = 1;
         const gl_mat *g = e->m->layers[l].experts ? &e->m->layers[l].experts[0].gate : NULL;   /* NULL: shapes only */
         uint64_t expert_bytes = g ? 3ull * g->rows * g->cols * gl_type_size(g->type) : 0;
-        for (int x = 0; x < E; x++) ld[x] = (double)load_since[(size_t)l * E + x];
+        double total = 0, mx_before = 0, mx_after = 0;
+        for (int x = 0; x < E; x++) { ld[x] = (double)load_since[(size_t)l * E + x]; total += ld[x]; }
+        for (int d = 0; d < ND; d++) before[d] = 0;
         for (int x = 0; x < E; x++)            /* the old placement: each replica carries load / replicas */
-            for (int q = 0; q < nrep[x]; q++)
-                if (dev[x * mr + q] >= 0) before[slot[dev[x * mr + q]]] += ld[x] / nrep[x];
+            for (int q = 0; q < nrep[x]; q++) {
+                if (dev[x * mr + q] < 0) { placed = 0; continue; }
+                before[slot[dev[x * mr + q]]] += ld[x] / nrep[x];
+            }
+        for (int d = 0; d < ND; d++) if (before[d] > mx_before) mx_before = before[d];
         memcpy(old, dev, (size_t)E * mr * sizeof(int));
         memcpy(old_rep, nrep, (size_t)E * sizeof(int));
         eplb_layer(ld, E, e->exp_devs, ND, e->exp_cap, mr, nrep, dev, per_dev, items, used);
-        for (int d = 0; d < ND; d++) after[d] += per_dev[d];
-        for (int x = 0; x < E; x++)            /* a replica on a device that held none of x: weights copied */
-            for (int q = 0; q < nrep[x]; q++) {
-                int had = 0;
-                for (int o = 0; o < old_rep[x] && !had; o++) had = old[x * mr + o] == dev[x * mr + q];
-                if (!had) moved += expert_bytes;
-            }
+        for (int d = 0; d < ND; d++) if (per_dev[d] > mx_after) mx_after = per_dev[d];
+        if (placed && !(mx_after < mx_before)) {           /* no better: keep the old placement */
+            memcpy(dev, old, (size_t)E * mr * sizeof(int));
+            memcpy(nrep, old_rep, (size_t)E * sizeof(int));
+            mx_after = mx_before;
+        } else {
+            for (int x = 0; x < E; x++)        /* a replica on a device that held none of x: weights copied */
+                for (int q = 0; q < nrep[x]; q++) {
+                    int had = 0;
+                    for (int o = 0; o < old_rep[x] && !had; o++) had = old[x * mr + o] == dev[x * mr + q];
+                    if (!had) moved += expert_bytes;
+                }
+        }
+        sum_max_before += mx_before;
+        sum_max_after += mx_after;
+        sum_mean += total / ND;
         pl_sort(p, l);
     }
-    e->eplb_before = max_over_mean(before, ND);
-    e->eplb_after = max_over_mean(after, ND);
+    e->eplb_before = sum_mean > 0 ? sum_max_before / sum_mean : 0;
+    e->eplb_after = sum_mean > 0 ? sum_max_after / sum_mean : 0;
     e->eplb_moved_bytes += moved;
     e->eplb_runs++;
     return CM384_OK;
@@ -6914,13 +6932,17 @@ int cm384_get_stats(cm384_engine *e, cm384_stats *out) {
     st.kv_blocks_cached = (uint64_t)e->n_cached;
     st.decode_batch_cap = S->decode_cap;
     st.slo_infeasible = S->slo.infeasible;
-    uint64_t mx = 0, sum = 0;            /* decode rows on the routed-expert devices */
+    /* decode rows on the routed-expert devices, layer by layer: a layer's
+       dispatch waits for its busiest device */
+    double sum_max = 0, sum_mean = 0;
     int n_exp = 0;
     for (int d = 0; d < e->n_dev; d++) if (e->dev[d].roles & (ROLE_EXPERT | ROLE_SHARED)) n_exp++;
-    for (int i = 0; i < e->n_exp_devs; i++) {
-        uint64_t v = e->dev_rows[(size_t)e->n_dev + e->exp_devs[i]];
-        sum += v;
-        if (v > mx) mx = v;
+    for (int l = 0; l < e->m->hp.n_layers + e->m->hp.n_mtp && e->n_exp_devs > 0; l++) {
+        const uint64_t *rows = e->dev_rows_layer + (size_t)l * e->n_dev;
+        uint64_t mx = 0, sum = 0;
+        for (int i = 0; i < e->n_exp_devs; i++) { uint64_t v = rows[e->exp_devs[i]]; sum += v; if (v > mx) mx = v; }
+        sum_max += (double)mx;
+        sum_mean += (double)sum / e->n_exp_devs;
     }
     st.eplb_runs = e->eplb_runs;
     st.eplb_load_before = e->eplb_before;
@@ -6928,7 +6950,7 @@ int cm384_get_stats(cm384_engine *e, cm384_stats *out) {
     st.eplb_moved_bytes = e->eplb_moved_bytes;
     st.n_redundant_experts = e->n_red;
     pthread_mutex_unlock(&S->step_mu);
-    st.expert_load_max_over_mean = sum ? (double)mx * e->n_exp_devs / (double)sum : 0;
+    st.expert_load_max_over_mean = sum_mean > 0 ? sum_max / sum_mean : 0;
     st.n_devices = e->n_dev;
     st.n_workers = e->n_workers;
     st.n_prefill_devices = e->n_pre;
@@ -7013,6 +7035,7 @@ void cm384_reset_stats(cm384_engine *e) {
     for (size_t i = 0; i < (size_t)e->n_dev * e->n_dev; i++) { atomic_store(&e->traffic[i], 0); atomic_store(&e->msgs[i], 0); }
     memset(e->busy, 0, (size_t)e->n_workers * e->n_dev * sizeof(uint64_t));
     memset(e->dev_rows, 0, 2 * (size_t)e->n_dev * sizeof(uint64_t));
+    memset(e->dev_rows_layer, 0, (size_t)(e->m->hp.n_layers + e->m->hp.n_mtp) * e->n_dev * sizeof(uint64_t));
     size_t n_load = (size_t)(e->m->hp.n_layers + e->m->hp.n_mtp) * (size_t)(e->m->hp.n_routed > 0 ? e->m->hp.n_routed : 1);
     memset(e->expert_load, 0, 2 * n_load * sizeof(uint64_t));
     memset(S->load_mark, 0, n_load * sizeof(uint64_t));
@@ -7237,7 +7260,7 @@ void cm384_engine_free(cm384_engine *e) {
     CM384_FREE(e->eplb_ld); CM384_FREE(e->eplb_items); CM384_FREE(e->eplb_used); CM384_FREE(e->eplb_old);
     CM384_FREE(e->pool);
     CM384_FREE(e->traffic); CM384_FREE(e->msgs); CM384_FREE(e->busy);
-    CM384_FREE(e->expert_load); CM384_FREE(e->dev_rows); CM384_FREE(e->tev); CM384_FREE(e->trace_named);
+    CM384_FREE(e->expert_load); CM384_FREE(e->dev_rows); CM384_FREE(e->dev_rows_layer); CM384_FREE(e->tev); CM384_FREE(e->trace_named);
     CM384_FREE(e->rg.g);
     pthread_mutex_destroy(&e->mu);
     pthread_cond_destroy(&e->cv_work);
@@ -7412,10 +7435,11 @@ int cm384_engine_create(const cm384_model *m, const cm384_config *cfg, cm384_eng
         e->expert_load = CM384_CALLOC(2 * NL * E, sizeof *e->expert_load);     /* per phase */
         S->load_mark = CM384_CALLOC(NL * E, sizeof *S->load_mark);
         e->dev_rows = CM384_CALLOC(2 * nd, sizeof *e->dev_rows);
+        e->dev_rows_layer = CM384_CALLOC(NL * nd, sizeof *e->dev_rows_layer);
         e->rg.g = CM384_CALLOC((size_t)e->rg.cap, sizeof(rg_group));
         e->rg.e = e;
         S->run = CM384_CALLOC((size_t)c.max_batch, sizeof *S->run);
-        if (!e->traffic || !e->msgs || !e->busy || !e->expert_load || !S->load_mark || !e->dev_rows || !e->rg.g || !S->run)
+        if (!e->traffic || !e->msgs || !e->busy || !e->expert_load || !S->load_mark || !e->dev_rows || !e->dev_rows_layer || !e->rg.g || !S->run)
             r = fail(CM384_E_NOMEM, "out of memory for counters");
     }
     if (!r && cfg && cfg->struct_size > offsetof(cm384_config, trace_path) && cfg->trace_path) {

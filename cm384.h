@@ -515,8 +515,11 @@ typedef struct cm384_stats {
     uint64_t cache_evictions;
     /* placement */
     int      n_devices, n_workers, n_prefill_devices, n_attn_devices, n_expert_devices;
-    double   expert_load_max_over_mean;   /* decode rows per routed-expert device,
-                                             max/mean                               */
+    double   expert_load_max_over_mean;   /* decode's expert imbalance: over the
+                                             layers, the busiest routed-expert
+                                             device's rows over the mean device's
+                                             (a layer waits for its busiest; 1 =
+                                             even)                                   */
     /* the SLO controller (tpot_target_ms) */
     int      decode_batch_cap;        /* the decode batch it allows now (max_batch
                                          without a target)                         */
@@ -524,9 +527,9 @@ typedef struct cm384_stats {
     /* EPLB (decode's redundant experts, re-placed from decode load) */
     int      n_redundant_experts;     /* spare expert slots: 0 = no EPLB            */
     uint64_t eplb_runs;               /* re-placements so far                       */
-    double   eplb_load_before, eplb_load_after;   /* the last one: max/mean expert-
-                                         device load of its window under the old and
-                                         the new placement                          */
+    double   eplb_load_before, eplb_load_after;   /* the last one: the imbalance
+                                         (as expert_load_max_over_mean) of its
+                                         window under the old and new placement      */
     uint64_t eplb_moved_bytes;        /* expert weights a real supernode would copy  */
 } cm384_stats;
 
