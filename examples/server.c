@@ -1143,7 +1143,7 @@ static int send_metrics(int fd, int keep_alive, size_t conn_bytes) {
     sb_printf(&b, "cm384_devices{role=\"all\"} %d\ncm384_devices{role=\"prefill\"} %d\ncm384_devices{role=\"attention\"} %d\n"
                   "cm384_devices{role=\"expert\"} %d\ncm384_devices{role=\"workers\"} %d\n",
               st.n_devices, st.n_prefill_devices, st.n_attn_devices, st.n_expert_devices, st.n_workers);
-    metric(&b, "cm384_expert_load_max_over_mean", "gauge", "Tokens per expert device, max over mean.");
+    metric(&b, "cm384_expert_load_max_over_mean", "gauge", "Decode expert imbalance: busiest expert device over the mean, per layer (1 = even).");
     sb_printf(&b, "cm384_expert_load_max_over_mean %.6f\n", st.expert_load_max_over_mean);
     uint64_t load[1024];
     int ne = cm384_get_expert_load(S.engine, -1, load, 1024);
