@@ -4,6 +4,7 @@
 #   make run        generate with the default model and show the supernode report
 #   make test       every test: unit, golden, engine, ASan+UBSan, TSan, valgrind
 #   make bench      this machine's limits, then cm384 against them
+#   make fuzz       the fuzz harnesses (build/fuzz/fuzz_NAME; tests/fuzz/README.md)
 #   make install    PREFIX=/usr/local DESTDIR=
 #   make amalgamation  dist/cm384.c (kernels inlined) + dist/cm384.h
 #
@@ -103,10 +104,36 @@ $(B)/asan/cm384_tests: $(TEST_SRC) $(SRC) | $(B)/asan
 $(B)/tsan/cm384_tests: $(TEST_SRC) $(SRC) | $(B)/tsan
 	$(CC) -std=c11 -Wall -Wextra -pthread $(SAN) -fsanitize=thread tests/main.c -o $@ $(LDLIBS) $(TEST_WRAP)
 
-test-bins: all $(B)/gen_synth $(B)/embed-amalgamated $(B)/tsan/cm384-server $(B)/cm384_tests $(B)/asan/cm384_tests $(B)/tsan/cm384_tests
+test-bins: all $(B)/gen_synth $(B)/embed-amalgamated $(B)/tsan/cm384-server $(B)/cm384_tests $(B)/asan/cm384_tests $(B)/tsan/cm384_tests \
+           $(B)/fuzz/cm384_fuzz
 
 test: test-bins
 	@B=$(B) MODEL=$(MODEL) CC="$(CC)" sh tests/run.sh
+
+# ---- fuzzing (tests/fuzz/README.md) ----
+# One program holds every harness (the library is compiled once); fuzz_NAME
+# are links to it.  With clang's libFuzzer when it links, else a standalone
+# build that replays the corpus and then mutates it for -runs=N runs.
+FUZZ_CC    ?= clang
+FUZZ_FLAGS := -std=c11 -Wall -Wextra -pthread $(SAN) -DCM384_ARENA_CHUNK=0 \
+              -fsanitize=address,undefined -fno-sanitize-recover=undefined
+
+$(B)/fuzz:
+	@mkdir -p $@
+
+$(B)/fuzz/cm384_fuzz: $(wildcard tests/fuzz/*.c tests/fuzz/*.h) $(SRC) | $(B)/fuzz
+	@if echo 'int LLVMFuzzerTestOneInput(const char *d, unsigned long n) { return d && n; }' | \
+	    $(FUZZ_CC) -x c - -fsanitize=fuzzer -o $(B)/fuzz/probe >/dev/null 2>&1; then \
+	    echo "$(FUZZ_CC) -fsanitize=fuzzer,address,undefined tests/fuzz/fuzz_main.c -o $@"; \
+	    $(FUZZ_CC) $(FUZZ_FLAGS) -fsanitize=fuzzer tests/fuzz/fuzz_main.c -o $@ $(LDLIBS); \
+	else \
+	    echo "no libFuzzer ($(FUZZ_CC) -fsanitize=fuzzer does not link): standalone harnesses"; \
+	    $(CC) $(FUZZ_FLAGS) -DCM384_FUZZ_STANDALONE tests/fuzz/fuzz_main.c -o $@ $(LDLIBS); \
+	fi
+	@rm -f $(B)/fuzz/probe
+	@for t in $$(./$@ -list | cut -d' ' -f1); do ln -sf cm384_fuzz $(B)/fuzz/fuzz_$$t; done
+
+fuzz: $(B)/fuzz/cm384_fuzz
 
 # ---- benchmarks ----
 bench: all $(B)/gen_synth $(B)/bench_kernels
@@ -130,4 +157,4 @@ uninstall:
 clean:
 	rm -rf $(B) $(DIST)
 
-.PHONY: all run test test-bins bench install uninstall clean amalgamation
+.PHONY: all run test test-bins fuzz bench install uninstall clean amalgamation

@@ -92,12 +92,21 @@ static double now_ms(void) {
 typedef struct arena_chunk { struct arena_chunk *next; size_t used, cap; } arena_chunk;
 typedef struct { arena_chunk *head; size_t total; } arena;
 
+/* Bytes per chunk.  The fuzz build sets 0: every allocation is then a chunk
+ * of its own, exactly its size, so AddressSanitizer sees an overrun of any
+ * one JSON node or string (and no megabyte is mapped per small parse). */
+#ifndef CM384_ARENA_CHUNK
+#define CM384_ARENA_CHUNK (1u << 20)
+#endif
+
 static void *arena_alloc(arena *a, size_t n) {
+#if CM384_ARENA_CHUNK
     n = (n + 15) & ~(size_t)15;
+#endif
     arena_chunk *c = a->head;
     if (!c || c->cap - c->used < n) {
-        size_t cap = n > (1u << 20) ? n : (1u << 20);
-        c = malloc(sizeof(arena_chunk) + 16 + cap);
+        size_t cap = n > CM384_ARENA_CHUNK ? n : CM384_ARENA_CHUNK;
+        c = malloc(((sizeof(arena_chunk) + 15) & ~(size_t)15) + cap);
         if (!c) return NULL;
         c->next = a->head; c->used = 0; c->cap = cap;
         a->head = c;
@@ -3491,8 +3500,9 @@ static int bind_mat(cm384_model *m, const char *name, int rows, int cols, gl_mat
     out->rows = rows;
     out->cols = cols;
     out->data = t->data;
-    if (t->dtype == GL_F32 && ((uintptr_t)t->data & 3)) {
-        /* misaligned fp32 data cannot be read through a float pointer */
+    if ((uintptr_t)t->data % gl_type_size(t->dtype)) {
+        /* misaligned fp32 / 16-bit data cannot be read through its pointer
+           type (a header whose length is not a multiple of 8 puts it there) */
         void *p = arena_alloc(&m->a, t->nbytes);
         if (!p) return fail(CM384_E_NOMEM, "out of memory copying %s", name);
         memcpy(p, t->data, t->nbytes);
@@ -3544,7 +3554,13 @@ static int bind_vec(cm384_model *m, const char *name, int n, float **out, int re
     if (!v) return fail(CM384_E_NOMEM, "out of memory");
     gl_mat g = {t->dtype, 1, n, t->data, NULL};
     if (t->dtype == GL_F32) memcpy(v, t->data, (size_t)n * 4);
-    else gl_row_to_f32(&g, 0, v);
+    else if ((uintptr_t)t->data % 2) {                 /* misaligned 16-bit values */
+        for (int i = 0; i < n; i++) {
+            uint16_t h;
+            memcpy(&h, t->data + 2 * (size_t)i, 2);
+            v[i] = t->dtype == GL_BF16 ? gl_bf16_to_f32(h) : gl_f16_to_f32(h);
+        }
+    } else gl_row_to_f32(&g, 0, v);
     *out = v;
     m->n_params += (uint64_t)n;
     if (m->binding_mtp) m->n_mtp_params += (uint64_t)n;

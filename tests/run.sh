@@ -40,11 +40,13 @@ T="$B/cm384_tests"
 for t in tokenizer kernels golden loader engine alloc model api trust slo eplb; do
     step "$t" "$T" $t
 done
+step "fuzzfix" "$T" fuzzfix
 
 # the same under AddressSanitizer + UndefinedBehaviorSanitizer
 for t in tokenizer kernels golden loader api trust slo eplb; do
     step "asan+ubsan $t" env ASAN_OPTIONS=detect_leaks=1 "$B/asan/cm384_tests" $t
 done
+step "asan+ubsan fuzzfix" env ASAN_OPTIONS=detect_leaks=1 "$B/asan/cm384_tests" fuzzfix
 step "asan+ubsan model" env CM384_QUICK=1 ASAN_OPTIONS=detect_leaks=1 "$B/asan/cm384_tests" model
 step "asan+ubsan engine" env CM384_QUICK=1 ASAN_OPTIONS=detect_leaks=1 "$B/asan/cm384_tests" engine
 
@@ -120,6 +122,27 @@ step "fuzz_server: replay the seeds (ASan+UBSan)" fuzz_replay
 step "gcc -Wall -Wextra -Werror examples/server.c" gcc -std=c11 -O2 -Wall -Wextra -Werror -pthread -c examples/server.c -o "$B/check_server_gcc.o"
 if command -v clang >/dev/null 2>&1; then
     step "clang -Wall -Wextra -Werror examples/server.c" clang -std=c11 -O2 -Wall -Wextra -Werror -pthread -c examples/server.c -o "$B/check_server_clang.o"
+fi
+
+# the fuzz harnesses, a short fixed number of runs each from their seed
+# corpus (new inputs go to a scratch directory; tests/fuzz/README.md)
+fuzz_quiet() {  # the last lines of a harness's output, all of it on failure
+    flog=$(mktemp)
+    "$@" >"$flog" 2>&1
+    frc=$?
+    if [ "$frc" -eq 0 ]; then tail -n 2 "$flog"; else cat "$flog"; fi
+    rm -f "$flog"
+    return "$frc"
+}
+if [ -x "$B/fuzz/cm384_fuzz" ]; then
+    for spec in $("$B/fuzz/cm384_fuzz" -list | tr ' ' ':'); do
+        name=${spec%%:*}
+        runs=${spec#*:}
+        scratch=$(mktemp -d)
+        step "fuzz $name ($runs runs)" fuzz_quiet "$B/fuzz/fuzz_$name" -runs="$runs" -seed=1 -timeout=60 \
+            -artifact_prefix="$B/fuzz/crash-$name-" "$scratch" "tests/fuzz/corpus/$name"
+        rm -rf "$scratch"
+    done
 fi
 
 # one translation unit, warning-free, header usable from C++

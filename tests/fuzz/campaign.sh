@@ -1,0 +1,40 @@
+#!/bin/sh
+# campaign.sh -- a long fuzzing campaign: each harness for RUNS executions,
+# under nice -n 10, one after another (JOBS=2: two at a time).
+#   sh tests/fuzz/campaign.sh RUNS [NAME...]       (default: every harness)
+# FUZZ_BIN picks the program (default build/fuzz/cm384_fuzz; copy it away
+# first if you will rebuild while the campaign runs).  Grows
+# build/fuzz/corpus-NAME (not committed); a crash leaves
+# build/fuzz/crash-NAME-*; each harness's output is in
+# build/fuzz/campaign-NAME.log, and one line per harness (executions,
+# seconds, exit status, crash files) is printed and appended to
+# build/fuzz/campaign.txt.
+B=${B:-build}
+BIN=${FUZZ_BIN:-$B/fuzz/cm384_fuzz}
+RUNS=${1:-10000000}
+[ $# -gt 0 ] && shift
+names=${*:-$("$BIN" -list | cut -d' ' -f1)}
+JOBS=${JOBS:-1}
+
+one() {
+    name=$1
+    mkdir -p "$B/fuzz/corpus-$name"
+    log="$B/fuzz/campaign-$name.log"
+    t0=$(date +%s)
+    nice -n 10 "$BIN" -target="$name" -runs="$RUNS" -timeout=60 -rss_limit_mb=4096 -print_final_stats=1 \
+        -artifact_prefix="$B/fuzz/crash-$name-" "$B/fuzz/corpus-$name" "tests/fuzz/corpus/$name" >"$log" 2>&1
+    rc=$?
+    execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -n 1)
+    crashes=$(ls "$B/fuzz/crash-$name-"* 2>/dev/null | wc -l)
+    line="$name: ${execs:-?} executions in $(($(date +%s) - t0)) s, exit $rc, $crashes crash files ($(date -u +%Y-%m-%dT%H:%MZ), $(git rev-parse --short HEAD 2>/dev/null))"
+    echo "$line"
+    echo "$line" >>"$B/fuzz/campaign.txt"
+}
+
+running=0
+for n in $names; do
+    one "$n" &
+    running=$((running + 1))
+    if [ "$running" -ge "$JOBS" ]; then wait; running=0; fi
+done
+wait
