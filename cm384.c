@@ -3461,6 +3461,11 @@ struct cm384_model {
     cm384_progress_fn progress;
     void         *progress_user;
     uint64_t      progress_done, progress_total;
+    /* memory: what INT8 copies would take and the stored bytes they replace
+       (section 9), and the machine's physical memory, for the estimate an
+       engine makes (section 14) */
+    uint64_t      q8_bytes, q8_replaced;
+    uint64_t      phys_mem;
 };
 
 typedef struct { cm384_model *m; int status; } binder;
@@ -3799,6 +3804,8 @@ static int load_tokenizer_files(cm384_model *m, const char *dir, int required) {
     return r;
 }
 
+static int model_q8_at_load(cm384_model *m, int make);      /* section 9 */
+
 static int model_load_dir(cm384_model *m, const char *dir, const cm384_load_opts *o) {
     int r;
     char *cp = path_join(dir, "config.json");
@@ -3854,6 +3861,8 @@ static int model_load_dir(cm384_model *m, const char *dir, const cm384_load_opts
         if (m->layers[l].wkv_a.type != GL_BF16 || l == 0) m->main_dtype = m->layers[l].wkv_a.type;
     }
     rope_setup(m);
+    m->progress_done = m->progress_total;          /* the stage ends at 100% */
+    if ((r = report_progress(m, "tensors", 0))) return r;
 
     /* active parameters per token, as DeepSeek counts them: the main model
        without the embedding table and without the routed experts a token
@@ -3865,6 +3874,11 @@ static int model_load_dir(cm384_model *m, const char *dir, const cm384_load_opts
 
     if (o->check_values) {
         /* scan every bound weight for NaN/Inf (slow; off by default) */
+        m->progress_done = m->progress_total = 0;
+        for (int i = 0; i < m->tensors.cap; i++) {
+            tensor_info *t = &m->tensors.items[i];
+            if (t->name && t->dtype >= 0 && t->dtype != GL_F8_E4M3) m->progress_total += t->nbytes;
+        }
         for (int i = 0; i < m->tensors.cap; i++) {
             tensor_info *t = &m->tensors.items[i];
             if (!t->name || t->dtype < 0 || t->dtype == GL_F8_E4M3) continue;
@@ -3878,9 +3892,13 @@ static int model_load_dir(cm384_model *m, const char *dir, const cm384_load_opts
                     return fail(CM384_E_FORMAT, "%s: tensor \"%s\" element %zu is not finite",
                                 shard_name(m, t), t->name, k);
             }
+            if ((r = report_progress(m, "check", t->nbytes))) return r;
         }
+        if (m->progress_total == 0 && (r = report_progress(m, "check", 0))) return r;
     }
-    return load_tokenizer_files(m, dir, 0);
+    if ((r = load_tokenizer_files(m, dir, 0))) return r;
+
+    return model_q8_at_load(m, o->int8);
 }
 
 int cm384_model_load(const char *path, const cm384_load_opts *opts, cm384_model **out) {
@@ -3901,6 +3919,8 @@ int cm384_model_load(const char *path, const cm384_load_opts *opts, cm384_model 
     pthread_mutex_init(&m->q8_mu, NULL);
     m->progress = o.progress;
     m->progress_user = o.progress_user;
+    long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
+    m->phys_mem = pages > 0 && page > 0 ? (uint64_t)pages * (uint64_t)page : 0;
     int r;
     if (!m->path) r = fail(CM384_E_NOMEM, "out of memory");
     else if (S_ISDIR(st.st_mode)) {
@@ -4212,6 +4232,7 @@ typedef struct rg_group {
 } rg_group;
 
 typedef struct trace_event { int device, layer, mb; const char *name; uint64_t t0, t1; } trace_event;
+#define TRACE_BUF_EVENTS (1 << 16)        /* events held before they go to the file */
 
 typedef struct region {
     rg_group  *g;
@@ -4448,6 +4469,8 @@ struct cm384_engine {
     /* the pool: KV blocks, cache index, microbatch buffers */
     uint8_t          *pool;
     size_t            pool_bytes;
+    uint64_t          mem[5];     /* the estimate: weights, int8 weights, KV, scratch, total */
+    char              mem_line[192];   /* ... as the creation log line says it            */
     kv_pool           kv;
     block_meta       *bm;
     int              *free_blocks, n_free;
@@ -5686,12 +5709,13 @@ static int eplb_rebalance(struct cm384_engine *e, const uint64_t *load_since) {
 /* ---- INT8 W8A8 weights: made once per model, shared by its engines ---- */
 
 typedef struct q8_job { const gl_mat *src; gl_mat *dst; int first; } q8_job;
-typedef struct q8_ctx { q8_job *jobs; int n; float *rows; size_t row_cap; } q8_ctx;
+typedef struct q8_ctx { q8_job *jobs; int n, base; float *rows; size_t row_cap; } q8_ctx;
 
 #define Q8_ROWS 64
 
-static void t_quantize_weight(void *ctx, int t, int worker) {
+static void t_quantize_weight(void *ctx, int task, int worker) {
     q8_ctx *q = ctx;
+    int t = q->base + task;
     int lo = 0, hi = q->n - 1;
     while (lo < hi) { int mid = (lo + hi + 1) / 2; if (q->jobs[mid].first <= t) lo = mid; else hi = mid - 1; }
     const q8_job *j = &q->jobs[lo];
@@ -5700,67 +5724,156 @@ static void t_quantize_weight(void *ctx, int t, int worker) {
     gl_quantize_weight_q8(j->src, (int8_t *)j->dst->data, (float *)j->dst->scale, r0, r1, q->rows + (size_t)worker * q->row_cap);
 }
 
-static int model_make_q8(cm384_model *m, gl_pool *pool) {
-    pthread_mutex_lock(&m->q8_mu);
-    if (m->q8) { pthread_mutex_unlock(&m->q8_mu); return CM384_OK; }
+/* What the INT8 copies take and what they stand in for. */
+typedef struct q8_plan {
+    q8_job   *jobs;          /* NULL: count only                                  */
+    int       n, tasks, status;
+    uint64_t  bytes;         /* the copies: a byte per weight and a float per row */
+    uint64_t  replaced;      /* stored bytes an INT8 engine no longer reads       */
+} q8_plan;
+
+static uint64_t stored_bytes(const gl_mat *w) {
+    return w->data ? (uint64_t)w->rows * w->cols * gl_type_size(w->type) : 0;
+}
+
+/* One copy; `replaces`: the source is a checkpoint tensor of its own, which
+ * an INT8 engine then no longer reads. */
+static void q8_add(cm384_model *m, q8_plan *pl, const gl_mat *src, gl_mat *dst, int replaces) {
+    if (pl->status || !src->data) return;
+    pl->bytes += (uint64_t)src->rows * src->cols + (uint64_t)src->rows * sizeof(float);
+    if (replaces) pl->replaced += stored_bytes(src);
+    if (pl->jobs) {
+        dst->type = GL_Q8; dst->rows = src->rows; dst->cols = src->cols;
+        dst->data = arena_alloc(&m->q8_arena, (size_t)src->rows * src->cols);
+        dst->scale = arena_alloc(&m->q8_arena, (size_t)src->rows * sizeof(float));
+        if (!dst->data || !dst->scale) { pl->status = fail(CM384_E_NOMEM, "out of memory for INT8 weights"); return; }
+        pl->jobs[pl->n] = (q8_job){src, dst, pl->tasks};
+    }
+    pl->tasks += (src->rows + Q8_ROWS - 1) / Q8_ROWS;
+    pl->n++;
+}
+
+/* The projections that carry the compute, in the order they are made: with
+ * q8 NULL only counted (pl->jobs NULL), else allocated and listed as jobs.
+ * In stored type an INT8 engine still reads the embeddings and the routers
+ * (and the fp32 vectors); kv_b_proj only through its per-head copies. */
+static void q8_walk(cm384_model *m, layer_q8 *q8, q8_plan *pl) {
     const hparams *hp = &m->hp;
-    int NL = hp->n_layers + hp->n_mtp, cap = 0;
-    for (int l = 0; l < NL; l++) cap += 5 + 3 + 2 + 3 * (hp->n_routed + 1) + 2 * hp->n_heads;
-    cap += 1;
-    layer_q8 *q8 = arena_alloc(&m->q8_arena, (size_t)NL * sizeof *q8);
-    q8_job *jobs = CM384_MALLOC((size_t)cap * sizeof *jobs);
-    int n = 0, tasks = 0, r = CM384_OK;
-    if (!q8 || !jobs) r = fail(CM384_E_NOMEM, "out of memory for INT8 weights");
-    if (!r) memset(q8, 0, (size_t)NL * sizeof *q8);
-#define ADD(srcp, dstp)                                                                          \
-    do {                                                                                         \
-        const gl_mat *src_ = (srcp); gl_mat *dst_ = (dstp);                                       \
-        if (r || !src_->data) break;                                                             \
-        dst_->type = GL_Q8; dst_->rows = src_->rows; dst_->cols = src_->cols;                     \
-        dst_->data = arena_alloc(&m->q8_arena, (size_t)src_->rows * src_->cols);                   \
-        dst_->scale = arena_alloc(&m->q8_arena, (size_t)src_->rows * sizeof(float));               \
-        if (!dst_->data || !dst_->scale) { r = fail(CM384_E_NOMEM, "out of memory for INT8 weights"); break; } \
-        jobs[n] = (q8_job){src_, dst_, tasks};                                                   \
-        tasks += (src_->rows + Q8_ROWS - 1) / Q8_ROWS;                                            \
-        n++;                                                                                     \
-    } while (0)
-    for (int l = 0; !r && l < NL; l++) {
+    layer_q8 none;
+    memset(&none, 0, sizeof none);
+    for (int l = 0; !pl->status && l < hp->n_layers + hp->n_mtp; l++) {
         const layer_w *L = &m->layers[l];
-        layer_q8 *Q = &q8[l];
-        ADD(&L->wq_a, &Q->wq_a); ADD(&L->wq_b, &Q->wq_b); ADD(&L->wq, &Q->wq);
-        ADD(&L->wkv_a, &Q->wkv_a); ADD(&L->wo, &Q->wo);
-        ADD(&L->dense.gate, &Q->dense.gate); ADD(&L->dense.up, &Q->dense.up); ADD(&L->dense.down, &Q->dense.down);
-        ADD(&L->shared.gate, &Q->shared.gate); ADD(&L->shared.up, &Q->shared.up); ADD(&L->shared.down, &Q->shared.down);
-        if (l >= hp->n_layers) { ADD(&L->eh_proj, &Q->eh_proj); ADD(&L->head, &Q->head); }
-        Q->w_uk_t = arena_alloc(&m->q8_arena, (size_t)hp->n_heads * sizeof(gl_mat));
-        Q->w_uv = arena_alloc(&m->q8_arena, (size_t)hp->n_heads * sizeof(gl_mat));
-        if (!Q->w_uk_t || !Q->w_uv) { r = fail(CM384_E_NOMEM, "out of memory for INT8 weights"); break; }
-        for (int h = 0; h < hp->n_heads; h++) { ADD(&L->w_uk_t[h], &Q->w_uk_t[h]); ADD(&L->w_uv[h], &Q->w_uv[h]); }
+        layer_q8 *Q = q8 ? &q8[l] : &none;
+        q8_add(m, pl, &L->wq_a, &Q->wq_a, 1); q8_add(m, pl, &L->wq_b, &Q->wq_b, 1); q8_add(m, pl, &L->wq, &Q->wq, 1);
+        q8_add(m, pl, &L->wkv_a, &Q->wkv_a, 1); q8_add(m, pl, &L->wo, &Q->wo, 1);
+        q8_add(m, pl, &L->dense.gate, &Q->dense.gate, 1); q8_add(m, pl, &L->dense.up, &Q->dense.up, 1);
+        q8_add(m, pl, &L->dense.down, &Q->dense.down, 1);
+        q8_add(m, pl, &L->shared.gate, &Q->shared.gate, 1); q8_add(m, pl, &L->shared.up, &Q->shared.up, 1);
+        q8_add(m, pl, &L->shared.down, &Q->shared.down, 1);
+        if (l >= hp->n_layers) {
+            q8_add(m, pl, &L->eh_proj, &Q->eh_proj, 1);
+            q8_add(m, pl, &L->head, &Q->head, L->head.data != m->head.data);   /* a second copy of lm_head */
+        }
+        if (q8) {
+            Q->w_uk_t = arena_alloc(&m->q8_arena, (size_t)hp->n_heads * sizeof(gl_mat));
+            Q->w_uv = arena_alloc(&m->q8_arena, (size_t)hp->n_heads * sizeof(gl_mat));
+            if (!Q->w_uk_t || !Q->w_uv) { pl->status = fail(CM384_E_NOMEM, "out of memory for INT8 weights"); break; }
+        }
+        pl->replaced += stored_bytes(&L->wkv_b);
+        for (int h = 0; h < hp->n_heads; h++) {
+            gl_mat d1, d2;
+            q8_add(m, pl, &L->w_uk_t[h], q8 ? &Q->w_uk_t[h] : &d1, 0);
+            q8_add(m, pl, &L->w_uv[h], q8 ? &Q->w_uv[h] : &d2, 0);
+        }
         if (L->is_moe) {
-            Q->experts = arena_alloc(&m->q8_arena, (size_t)hp->n_routed * sizeof(ffn_w));
-            if (!Q->experts) { r = fail(CM384_E_NOMEM, "out of memory for INT8 weights"); break; }
+            if (q8 && !(Q->experts = arena_alloc(&m->q8_arena, (size_t)hp->n_routed * sizeof(ffn_w)))) {
+                pl->status = fail(CM384_E_NOMEM, "out of memory for INT8 weights");
+                break;
+            }
             for (int x = 0; x < hp->n_routed; x++) {
-                ADD(&L->experts[x].gate, &Q->experts[x].gate);
-                ADD(&L->experts[x].up, &Q->experts[x].up);
-                ADD(&L->experts[x].down, &Q->experts[x].down);
+                ffn_w d;
+                ffn_w *dst = q8 ? &Q->experts[x] : &d;
+                q8_add(m, pl, &L->experts[x].gate, &dst->gate, 1);
+                q8_add(m, pl, &L->experts[x].up, &dst->up, 1);
+                q8_add(m, pl, &L->experts[x].down, &dst->down, 1);
             }
         }
     }
-    ADD(&m->head, &m->q8_head);
-#undef ADD
+    gl_mat dh;
+    q8_add(m, pl, &m->head, q8 ? &m->q8_head : &dh, m->head.data != m->embed.data);
+}
+
+/* Makes the INT8 copies once per model (the first caller does; later ones
+ * find them).  progress may be NULL: engines make them silently; a load with
+ * int8 = 1 reports stage "quantize" in bytes of copies made, in about 50
+ * steps, and may be cancelled between steps. */
+static int model_make_q8(cm384_model *m, gl_pool *pool, cm384_progress_fn progress, void *user) {
+    pthread_mutex_lock(&m->q8_mu);
+    if (m->q8) { pthread_mutex_unlock(&m->q8_mu); return CM384_OK; }
+    const hparams *hp = &m->hp;
+    int NL = hp->n_layers + hp->n_mtp;
+    q8_plan count = {0};
+    q8_walk(m, NULL, &count);
+    layer_q8 *q8 = arena_alloc(&m->q8_arena, (size_t)NL * sizeof *q8);
+    q8_plan pl = {0};
+    pl.jobs = CM384_MALLOC((size_t)(count.n > 0 ? count.n : 1) * sizeof *pl.jobs);
+    if (!q8 || !pl.jobs) pl.status = fail(CM384_E_NOMEM, "out of memory for INT8 weights");
+    if (!pl.status) {
+        memset(q8, 0, (size_t)NL * sizeof *q8);
+        q8_walk(m, q8, &pl);
+    }
+    /* a row widened to fp32 per worker (the kernel's scratch) */
     size_t row_cap = 0;
-    for (int i = 0; i < n; i++) if ((size_t)jobs[i].src->cols > row_cap) row_cap = (size_t)jobs[i].src->cols;
+    for (int i = 0; i < pl.n; i++) if ((size_t)pl.jobs[i].src->cols > row_cap) row_cap = (size_t)pl.jobs[i].src->cols;
     float *rows = NULL;
-    if (!r && !(rows = CM384_MALLOC((size_t)gl_pool_size(pool) * row_cap * sizeof(float) + 1)))
-        r = fail(CM384_E_NOMEM, "out of memory for INT8 weights");
+    if (!pl.status && !(rows = CM384_MALLOC((size_t)gl_pool_size(pool) * row_cap * sizeof(float) + 1)))
+        pl.status = fail(CM384_E_NOMEM, "out of memory for INT8 weights");
+    int r = pl.status;
     if (!r) {
-        q8_ctx ctx = {jobs, n, rows, row_cap};
-        gl_pool_run(pool, tasks, t_quantize_weight, &ctx);
-        m->q8 = q8;
+        q8_ctx ctx = {pl.jobs, pl.n, 0, rows, row_cap};
+        int step = progress ? (pl.tasks + 49) / 50 : pl.tasks;
+        if (step < 1) step = 1;
+        for (int t0 = 0; !r && t0 < pl.tasks; t0 += step) {
+            int nt = pl.tasks - t0 < step ? pl.tasks - t0 : step;
+            ctx.base = t0;
+            gl_pool_run(pool, nt, t_quantize_weight, &ctx);
+            if (progress) {
+                /* bytes made so far: whole jobs before the boundary, rows of the one it cuts */
+                int t1 = t0 + nt, j = 0;
+                uint64_t done = 0;
+                for (; j < pl.n && pl.jobs[j].first < t1; j++) {
+                    const gl_mat *src = pl.jobs[j].src;
+                    int rows = (t1 - pl.jobs[j].first) * Q8_ROWS;
+                    if (rows > src->rows) rows = src->rows;
+                    done += (uint64_t)rows * src->cols + (uint64_t)rows * sizeof(float);
+                }
+                if (progress(user, "quantize", done, pl.bytes))
+                    r = fail(CM384_E_CANCELLED, "%s: loading cancelled by the progress callback", m->path);
+            }
+        }
+        if (!r && !pl.tasks && progress && progress(user, "quantize", 0, 0))
+            r = fail(CM384_E_CANCELLED, "%s: loading cancelled by the progress callback", m->path);
+        if (!r) m->q8 = q8;
     }
     CM384_FREE(rows);
-    CM384_FREE(jobs);
+    CM384_FREE(pl.jobs);
     pthread_mutex_unlock(&m->q8_mu);
+    return r;
+}
+
+/* At load: what INT8 copies would take (for an engine's memory estimate),
+ * and with make the copies themselves, on every core, reported as stage
+ * "quantize". */
+static int model_q8_at_load(cm384_model *m, int make) {
+    q8_plan plan = {0};
+    q8_walk(m, NULL, &plan);
+    m->q8_bytes = plan.bytes;
+    m->q8_replaced = plan.replaced;
+    if (!make) return CM384_OK;
+    gl_pool *pool = gl_pool_create(gl_n_cpus());
+    if (!pool) return fail(CM384_E_NOMEM, "cannot start worker threads to make INT8 weights");
+    int r = model_make_q8(m, pool, m->progress, m->progress_user);
+    gl_pool_free(pool);
     return r;
 }
 
@@ -6973,6 +7086,12 @@ int cm384_get_stats(cm384_engine *e, cm384_stats *out) {
     st.n_attn_devices = e->n_attn;
     st.n_expert_devices = n_exp;
     st.struct_size = sz;
+    st.mem_weight_bytes = e->mem[0];
+    st.mem_int8_weight_bytes = e->mem[1];
+    st.mem_kv_bytes = e->mem[2];
+    st.mem_scratch_bytes = e->mem[3];
+    st.mem_total_bytes = e->mem[4];
+    st.mem_physical_bytes = e->m->phys_mem;
     memcpy(out, &st, sz);
     out->struct_size = sz;
     return CM384_OK;
@@ -7363,6 +7482,45 @@ static void carve_pool(struct cm384_engine *e, carver *c) {
     e->rg.cap = 2 * (2 * n_entries + 4 * max_groups) + S->rows_cap + 64;
 }
 
+/* "12.3 MB", "31.4 GB" (decimal units, as disks and model cards count). */
+static void human_bytes(char out[16], uint64_t b) {
+    if (b >= 1000000000ull) snprintf(out, 16, "%.1f GB", b / 1e9);
+    else if (b >= 1000000ull) snprintf(out, 16, "%.1f MB", b / 1e6);
+    else snprintf(out, 16, "%.1f kB", b / 1e3);
+}
+
+/* What the engine will keep resident once all of it has been used: the
+ * weights as this engine reads them (INT8 copies replace the projections'
+ * stored bytes), the KV pool, the rest of the pool and the counters.  Said
+ * in the log, and as a warning when it exceeds physical memory -- with what
+ * INT8 weights would need when they are off. */
+static void memory_estimate(struct cm384_engine *e, int tracing) {
+    const cm384_model *m = e->m;
+    const hparams *hp = &m->hp;
+    uint64_t nd = (uint64_t)e->n_dev, NL = (uint64_t)(hp->n_layers + hp->n_mtp), E = hp->n_routed > 0 ? (uint64_t)hp->n_routed : 1;
+    uint64_t own = m->a.total;                               /* fp32 vectors, derived W_uk^T, headers */
+    uint64_t w_stored = m->weight_bytes + own;
+    uint64_t kept = m->weight_bytes > m->q8_replaced ? m->weight_bytes - m->q8_replaced : 0;   /* embedding, routers */
+    uint64_t w_int8 = kept + m->q8_bytes + own;
+    uint64_t kv = (uint64_t)e->kv.n_blocks * e->kv.block_floats * sizeof(float);
+    uint64_t counters = 2 * nd * nd * sizeof(uint64_t) + (uint64_t)e->n_workers * nd * sizeof(double) +
+                        2 * NL * E * sizeof(uint64_t) + nd * sizeof(uint64_t) + (uint64_t)e->rg.cap * sizeof(rg_group) +
+                        (tracing ? (uint64_t)TRACE_BUF_EVENTS * sizeof(trace_event) : 0);
+    uint64_t scratch = (uint64_t)e->pool_bytes - kv + counters;
+    uint64_t w = e->cfg.int8 ? w_int8 : w_stored;
+    e->mem[0] = w; e->mem[1] = w_int8; e->mem[2] = kv; e->mem[3] = scratch; e->mem[4] = w + kv + scratch;
+    char t[16], wb[16], kb[16], sb[16], pb[16], ib[16];
+    human_bytes(t, e->mem[4]); human_bytes(wb, w); human_bytes(kb, kv); human_bytes(sb, scratch);
+    human_bytes(pb, m->phys_mem); human_bytes(ib, w_int8 + kv + scratch);
+    const char *as = e->cfg.int8 ? " in INT8" : " as stored";
+    snprintf(e->mem_line, sizeof e->mem_line, "memory estimate %s resident (weights %s%s, KV pool %s, scratch %s) "
+             "of %s physical", t, wb, as, kb, sb, pb);
+    if (m->phys_mem && e->mem[4] > m->phys_mem)
+        engine_log(e, 2, "resident memory estimate %s (weights %s%s, KV pool %s, scratch %s) exceeds physical memory "
+                   "%s: expect paging, and decoding at the disk's speed%s%s", t, wb, as, kb, sb, pb,
+                   e->cfg.int8 ? "" : "; with INT8 weights (int8 = 1) it would be ", e->cfg.int8 ? "" : ib);
+}
+
 int cm384_engine_create(const cm384_model *m, const cm384_config *cfg, cm384_engine **out) {
     if (out) *out = NULL;
     if (!m || !out) return fail(CM384_E_INVALID, "cm384_engine_create: model and out must not be NULL");
@@ -7401,7 +7559,7 @@ int cm384_engine_create(const cm384_model *m, const cm384_config *cfg, cm384_eng
     if (!r) r = build_topology(e);
     e->pinned = e->n_workers == e->n_dev && e->n_dev > 1;
     e->fuse_groups = strcmp(e->preset, "paper") != 0 && !e->pinned;
-    if (!r && c.int8) r = model_make_q8((cm384_model *)m, e->pool_threads);
+    if (!r && c.int8) r = model_make_q8((cm384_model *)m, e->pool_threads, NULL, NULL);
     sched *S = e->sched;
     if (!r) {
         pthread_mutex_init(&S->step_mu, NULL);
@@ -7439,6 +7597,7 @@ int cm384_engine_create(const cm384_model *m, const cm384_config *cfg, cm384_eng
         carver cv = {NULL, 0};
         carve_pool(e, &cv);
         e->pool_bytes = cv.off + 64;
+        memory_estimate(e, cfg && cfg->struct_size > offsetof(cm384_config, trace_path) && cfg->trace_path);
         e->pool = CM384_MALLOC(e->pool_bytes);
         if (!e->pool) r = fail(CM384_E_NOMEM, "cannot allocate the pool: %.1f MB", e->pool_bytes / 1e6);
         else { cv.base = (uint8_t *)(((uintptr_t)e->pool + 63) & ~(uintptr_t)63); cv.off = 0; carve_pool(e, &cv); }
@@ -7460,7 +7619,7 @@ int cm384_engine_create(const cm384_model *m, const cm384_config *cfg, cm384_eng
     }
     if (!r && cfg && cfg->struct_size > offsetof(cm384_config, trace_path) && cfg->trace_path) {
         e->trace = fopen(cfg->trace_path, "w");
-        e->cap_tev = 1 << 16;
+        e->cap_tev = TRACE_BUF_EVENTS;
         e->tev = CM384_MALLOC((size_t)e->cap_tev * sizeof(trace_event));
         e->trace_named = CM384_CALLOC((size_t)e->n_dev, 1);
         if (!e->trace) r = fail(CM384_E_IO, "%s: cannot open the trace file: %s", cfg->trace_path, strerror(errno));
@@ -7474,9 +7633,9 @@ int cm384_engine_create(const cm384_model *m, const cm384_config *cfg, cm384_eng
     }
     if (r) { cm384_engine_free(e); return r; }
     engine_log(e, 1, "supernode: %d devices (%d prefill, %d decode-attention), preset %s, %d workers, "
-               "pool %.1f MB with %d KV blocks of %d tokens%s%s", e->n_dev, e->n_pre, e->n_attn, e->preset,
+               "pool %.1f MB with %d KV blocks of %d tokens%s%s; %s", e->n_dev, e->n_pre, e->n_attn, e->preset,
                e->n_workers, e->pool_bytes / 1e6, e->kv.n_blocks, e->kv.block_tokens,
-               c.int8 ? ", INT8 W8A8" : "", e->mtp ? ", MTP" : "");
+               c.int8 ? ", INT8 W8A8" : "", e->mtp ? ", MTP" : "", e->mem_line);
     *out = e;
     return CM384_OK;
 }

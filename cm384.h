@@ -141,9 +141,12 @@ CM384_API const char *cm384_last_error(void);
 /* 1. Loading a model                                                       */
 /* ======================================================================== */
 
-/* Progress of a long load: stage is "tensors", "quantize", ...; done and
- * total count bytes or items of that stage.  Return non-zero to cancel the
- * load (cm384_model_load then returns CM384_E_CANCELLED). */
+/* Progress of a long load: stage is "tensors" (binding the weights),
+ * "check" (check_values' scan), "quantize" (making INT8 weights, with
+ * int8 = 1); done and total count bytes of that stage.  Every stage ends
+ * with a call where done == total.  Called on the loading thread.  Return
+ * non-zero to cancel the load (cm384_model_load then returns
+ * CM384_E_CANCELLED). */
 typedef int (*cm384_progress_fn)(void *user, const char *stage,
                                  uint64_t done, uint64_t total);
 
@@ -154,6 +157,11 @@ typedef struct cm384_load_opts {
     int               use_mmap;       /* 1 (default): map the files; 0: read them
                                          into memory                             */
     int               check_values;   /* 1: scan weights for NaN/Inf (slow); 0   */
+    int               int8;           /* 1: make the INT8 W8A8 weights during the
+                                         load (stage "quantize", part of the
+                                         load's time) for engines with int8 = 1;
+                                         0 (default): the first such engine makes
+                                         them, without progress                  */
 } cm384_load_opts;
 
 CM384_API void cm384_load_opts_init(cm384_load_opts *o);
@@ -359,8 +367,10 @@ typedef struct cm384_config {
                                       reported (stats, log), not silently missed     */
     /* observability */
     const char  *trace_path;       /* write a Chrome-trace JSON here (NULL = off)    */
-    cm384_log_fn log;              /* topology at creation, preemptions, expert
-                                      re-placement (level 1 info, 2 warning); called
+    cm384_log_fn log;              /* topology and memory estimate at creation (a
+                                      warning when it exceeds physical memory),
+                                      preemptions, expert re-placement (level 1
+                                      info, 2 warning); called
                                       on the creating or scheduler thread.
                                       NULL = silent                                  */
     void        *log_user;
@@ -531,6 +541,19 @@ typedef struct cm384_stats {
                                          (as expert_load_max_over_mean) of its
                                          window under the old and new placement      */
     uint64_t eplb_moved_bytes;        /* expert weights a real supernode would copy  */
+    /* memory, estimated at engine creation: what is resident once all of it
+       has been used.  A total above physical memory is logged (level 2). */
+    uint64_t mem_weight_bytes;        /* weights as used: stored bytes, or with
+                                         int8 the INT8 copies plus what stays in
+                                         its stored type (embedding, routers);
+                                         plus the model's own allocations (fp32
+                                         vectors, derived W_uk^T, headers)        */
+    uint64_t mem_int8_weight_bytes;   /* the same with int8 = 1 (what INT8 needs) */
+    uint64_t mem_kv_bytes;            /* the KV block pool                        */
+    uint64_t mem_scratch_bytes;       /* the rest of the pool, counters, trace    */
+    uint64_t mem_total_bytes;         /* weights + KV + scratch                   */
+    uint64_t mem_physical_bytes;      /* this machine's physical memory (0:
+                                         unknown)                                 */
 } cm384_stats;
 
 CM384_API int  cm384_get_stats(cm384_engine *e, cm384_stats *out);

@@ -1,124 +1,332 @@
 /* cm384 -- the command-line tool, a client of cm384.h like any embedder.
  *
- *   cm384 run        -m DIR -p "prompt"     generate, streaming the text
- *   cm384 chat       -m DIR                 chat in DeepSeek's format
- *   cm384 tokenize   -m DIR|tokenizer.json "text"
- *   cm384 eval       -m DIR "text"          top next tokens at every position
- *   cm384 perplexity -m DIR FILE            mean loss over a text file
- *   cm384 bench      -m DIR                 drive a workload, print the report
- *   cm384 info       -m DIR                 what the model is
+ *   cm384 COMMAND [options] [--] [arguments]
+ *   cm384 help [COMMAND]          cm384 COMMAND --help          cm384 --version
  *
- * `cm384 help` lists every option. */
+ * Exit status: 0 done, 1 the work failed (a load, a file, a request), 2 the
+ * command line is wrong (unknown command or option, a bad number, a missing
+ * or extra argument).  Numbers are read strictly and checked against their
+ * ranges; nothing falls back to a default silently.
+ *
+ * Commands and options are two tables.  To add a command: write
+ * cmd_NAME(const opts *), add a row to `commands` (usage, summary, help with
+ * examples, how many arguments it takes) and give it a bit in `enum cmd`;
+ * an option is a row of `options` that lists the commands taking it. */
 #define _POSIX_C_SOURCE 200809L
 #include "../cm384.h"
 
+#include <errno.h>
 #include <math.h>
+#include <stdarg.h>
+#include <stddef.h>
 #include <stdio.h>
 #include <stdlib.h>
 #include <string.h>
+#include <sys/stat.h>
 #include <time.h>
 
 /* ---- options ---- */
 
 typedef struct opts {
-    const char *model, *prompt, *system, *trace, *preset, *file;
-    int         n_tokens, n_prompt, threads, devices, max_ctx, top, report, json, int8, int8_dispatch, mtp;
-    int         microbatches, requests, concurrency, tenants, bos, window, quiet;
-    float       temperature, top_p, min_p, shared_prefix;
-    int         top_k;
-    long long   seed;
-    const char *args[8];
+    const char *cmd;                          /* the command's name           */
+    const char *model, *prompt, *system, *trace, *preset;
+    const char *args[4];                      /* positional arguments         */
     int         n_args;
+    int         n_tokens, n_prompt, threads, devices, max_ctx, top, microbatches;
+    int         requests, concurrency, tenants, top_k;
+    int         report, json, int8, int8_dispatch, mtp, bos, quiet, verbose, check_values, progress;
+    double      temperature, top_p, min_p, shared_prefix;
+    unsigned long long seed;
 } opts;
 
-static void usage(void) {
-    printf(
-        "usage: cm384 COMMAND [options]\n"
-        "commands:\n"
-        "  run         generate from a prompt (-p) and stream the text\n"
-        "  chat        interactive chat (DeepSeek chat format); one line per user turn\n"
-        "  tokenize    print the ids of TEXT (model dir or a tokenizer.json)\n"
-        "  eval        print the top next tokens at every position of TEXT\n"
-        "  perplexity  mean next-token loss over FILE in windows of --ctx tokens\n"
-        "  bench       run a workload and print throughput, latency and the supernode report\n"
-        "  info        print the model's shapes and sizes\n"
-        "options:\n"
-        "  -m DIR            model directory (default models/shakespeare)\n"
-        "  -p TEXT           prompt (run); prompt tokens (bench, default 128)\n"
-        "  -n N              tokens to generate (default 128; bench 64)\n"
-        "  -t N              worker threads (default: online cores)\n"
-        "  --temp T --top-k K --top-p P --min-p P --seed S   sampling (default greedy)\n"
-        "  --system TEXT     system prompt (chat)\n"
-        "  --preset NAME     default | paper | single\n"
-        "  --devices N       emulated devices (default 384)\n"
-        "  --microbatches N  1 or 2 (default: 2 with --preset paper, else 1)\n"
-        "  --ctx N           max context (run/bench) or window (perplexity)\n"
-        "  --int8            INT8 W8A8 weights\n"
-        "  --int8-dispatch     dispatch tokens to experts in INT8 (an approximation;\n"
-        "                      the paper preset's default)\n"
-        "  --no-int8-dispatch  dispatch tokens to experts in fp32 (exact; the default)\n"
-        "  --mtp             speculative decoding with the MTP layer\n"
-        "  --trace FILE      write a Chrome trace (open in Perfetto)\n"
-        "  --report          print the supernode report after generating\n"
-        "  --top N           tokens shown per position (eval, default 5)\n"
-        "  --bos             prepend BOS (tokenize)\n"
-        "  bench: --requests N --concurrency C --shared-prefix F --tenants T --json\n");
+enum cmd {                                    /* one bit per command          */
+    C_RUN = 1, C_CHAT = 2, C_TOKENIZE = 4, C_EVAL = 8, C_PERPLEXITY = 16, C_BENCH = 32, C_INFO = 64,
+};
+#define C_ENGINE (C_RUN | C_CHAT | C_EVAL | C_PERPLEXITY | C_BENCH)   /* build an engine */
+#define C_SAMPLE (C_RUN | C_CHAT | C_BENCH)                           /* generate        */
+#define C_ALL    (C_ENGINE | C_TOKENIZE | C_INFO)
+
+enum { O_FLAG, O_INT, O_U64, O_FLOAT, O_STR };
+
+typedef struct option {
+    const char *name;
+    unsigned    cmds;       /* the commands that take it                      */
+    int         kind;
+    size_t      off;        /* the field of opts it sets                      */
+    double      lo, hi;     /* O_INT, O_FLOAT: the accepted range             */
+    int         flag_value; /* O_FLAG: what it stores                         */
+    const char *arg, *help;
+} option;
+
+#define F(field) offsetof(opts, field)
+static const option options[] = {
+    {"-m", C_ALL, O_STR, F(model), 0, 0, 0, "DIR", "model directory, or a tokenizer.json (tokenize) (default models/shakespeare)"},
+    {"--check-values", C_ALL, O_FLAG, F(check_values), 0, 0, 1, NULL, "scan every weight for NaN/Inf while loading (slow)"},
+    {"--progress", C_ALL, O_FLAG, F(progress), 0, 0, 1, NULL, "show the load's progress whatever the model's size (default: over 64 MB)"},
+    {"-p", C_RUN, O_STR, F(prompt), 0, 0, 0, "TEXT", "the prompt (or give it as the argument)"},
+    {"-p", C_BENCH, O_INT, F(n_prompt), 1, 1 << 20, 0, "N", "prompt tokens per request (default 128)"},
+    {"-n", C_SAMPLE, O_INT, F(n_tokens), 1, 1 << 24, 0, "N", "tokens to generate (default 128; chat 256; bench 64)"},
+    {"--temp", C_SAMPLE, O_FLOAT, F(temperature), 0, 1000, 0, "T", "sampling temperature (default 0: greedy)"},
+    {"--top-k", C_SAMPLE, O_INT, F(top_k), 0, 1 << 24, 0, "K", "keep the K most likely tokens (0: off)"},
+    {"--top-p", C_SAMPLE, O_FLOAT, F(top_p), 0, 1, 0, "P", "nucleus sampling (1: off)"},
+    {"--min-p", C_SAMPLE, O_FLOAT, F(min_p), 0, 1, 0, "P", "drop tokens below P x the best one's probability (0: off)"},
+    {"--seed", C_SAMPLE, O_U64, F(seed), 0, 0, 0, "S", "sampling seed (default 0): the same seed gives the same tokens"},
+    {"--system", C_CHAT, O_STR, F(system), 0, 0, 0, "TEXT", "system prompt"},
+    {"-t", C_ENGINE, O_INT, F(threads), 1, 1024, 0, "N", "worker threads (default: online cores)"},
+    {"--preset", C_ENGINE, O_STR, F(preset), 0, 0, 0, "NAME", "default | paper | single"},
+    {"--devices", C_ENGINE, O_INT, F(devices), 1, 4096, 0, "N", "emulated devices (default 384)"},
+    {"--microbatches", C_ENGINE, O_INT, F(microbatches), 1, 2, 0, "N", "1 or 2 (default: 2 with --preset paper, else 1)"},
+    {"--ctx", C_ENGINE, O_INT, F(max_ctx), 2, 1 << 24, 0, "N", "max context (perplexity: the window, default 256)"},
+    {"--int8", C_ENGINE, O_FLAG, F(int8), 0, 0, 1, NULL, "INT8 W8A8 weights, made while loading"},
+    {"--int8-dispatch", C_ENGINE, O_FLAG, F(int8_dispatch), 0, 0, 1, NULL, "dispatch tokens to experts in INT8 (an approximation; the paper preset's default)"},
+    {"--no-int8-dispatch", C_ENGINE, O_FLAG, F(int8_dispatch), 0, 0, 0, NULL, "dispatch tokens to experts in fp32 (exact; the default)"},
+    {"--mtp", C_ENGINE, O_FLAG, F(mtp), 0, 0, 1, NULL, "speculative decoding with the MTP layer"},
+    {"--trace", C_ENGINE, O_STR, F(trace), 0, 0, 0, "FILE", "write a Chrome trace (open in Perfetto)"},
+    {"-v", C_ENGINE, O_FLAG, F(verbose), 0, 0, 1, NULL, "print the engine's log (topology, memory, preemptions)"},
+    {"--report", C_RUN | C_BENCH, O_FLAG, F(report), 0, 0, 1, NULL, "print the supernode report"},
+    {"--top", C_EVAL, O_INT, F(top), 1, 1000, 0, "N", "tokens shown per position (default 5)"},
+    {"--bos", C_TOKENIZE, O_FLAG, F(bos), 0, 0, 1, NULL, "prepend BOS"},
+    {"--quiet", C_TOKENIZE, O_FLAG, F(quiet), 0, 0, 1, NULL, "print only the ids"},
+    {"--requests", C_BENCH, O_INT, F(requests), 1, 1000000, 0, "N", "requests (default 16)"},
+    {"--concurrency", C_BENCH, O_INT, F(concurrency), 1, 100000, 0, "C", "requests in flight (default 16)"},
+    {"--shared-prefix", C_BENCH, O_FLOAT, F(shared_prefix), 0, 1, 0, "F", "fraction of each prompt shared per tenant (default 0)"},
+    {"--tenants", C_BENCH, O_INT, F(tenants), 1, 100000, 0, "T", "context-cache tenants (default 1)"},
+    {"--json", C_BENCH, O_FLAG, F(json), 0, 0, 1, NULL, "one JSON line instead of the report"},
+};
+#undef F
+#define N_OPTIONS (int)(sizeof options / sizeof options[0])
+
+/* ---- commands ---- */
+
+static int cmd_run(const opts *o), cmd_chat(const opts *o), cmd_tokenize(const opts *o), cmd_eval(const opts *o),
+           cmd_perplexity(const opts *o), cmd_bench(const opts *o), cmd_info(const opts *o);
+
+typedef struct command {
+    const char *name;
+    unsigned    bit;
+    int       (*run)(const opts *o);
+    int         min_args, max_args;
+    const char *args;       /* the arguments, for usage lines               */
+    const char *summary;
+    const char *help;       /* what it does, then examples                  */
+} command;
+
+static const command commands[] = {
+    {"run", C_RUN, cmd_run, 0, 1, "[PROMPT]", "generate from a prompt and stream the text",
+     "Generates from PROMPT (or -p TEXT), streaming the text as it comes, then\n"
+     "a line with the prompt and generated token counts and the latencies.\n"
+     "examples:\n"
+     "  cm384 run -m models/shakespeare -p \"ROMEO:\" -n 100\n"
+     "  cm384 run -m DIR \"Once upon a time\" --temp 0.8 --top-p 0.95 --seed 1 --report\n"},
+    {"chat", C_CHAT, cmd_chat, 0, 0, "", "chat in the model's chat format, one line per user turn",
+     "Reads one user turn per line from standard input and answers it in the\n"
+     "model's chat format (DeepSeek-V3's template); an empty line or EOF ends.\n"
+     "examples:\n"
+     "  cm384 chat -m DIR --system \"You are a helpful assistant.\"\n"
+     "  echo \"Hello!\" | cm384 chat -m DIR -n 64\n"},
+    {"tokenize", C_TOKENIZE, cmd_tokenize, 1, 1, "TEXT", "print the token ids of TEXT",
+     "Prints the ids of TEXT as a list, then one line per token with its text.\n"
+     "-m takes a model directory or a tokenizer.json on its own.\n"
+     "examples:\n"
+     "  cm384 tokenize -m tests/fixtures/tokenizer/tokenizer.json \"Hello world\"\n"
+     "  cm384 tokenize -m DIR --bos --quiet -- \"--not an option\"\n"},
+    {"eval", C_EVAL, cmd_eval, 1, 1, "TEXT", "show the most likely next tokens at every position of TEXT",
+     "Evaluates BOS + TEXT in one pass and prints, at every position, the token\n"
+     "and the --top most likely next tokens with their probabilities.\n"
+     "examples:\n"
+     "  cm384 eval -m tests/fixtures/tiny-dsv3 \"Hello\" --top 3\n"},
+    {"perplexity", C_PERPLEXITY, cmd_perplexity, 1, 1, "FILE", "mean next-token loss over a text file",
+     "Tokenizes FILE (- for standard input), scores it in windows of --ctx\n"
+     "tokens (each token predicted from the ones before it in its window) and\n"
+     "prints the mean loss in nats per token and its perplexity.  The file must\n"
+     "give at least two tokens.\n"
+     "examples:\n"
+     "  cm384 perplexity -m models/shakespeare models/shakespeare/val.txt --ctx 256\n"
+     "  cat notes.txt | cm384 perplexity -m DIR -\n"},
+    {"bench", C_BENCH, cmd_bench, 0, 0, "", "drive a workload and print throughput, latency and the report",
+     "Submits --requests requests of -p random prompt tokens (a --shared-prefix\n"
+     "fraction shared per tenant) and -n generated tokens each, --concurrency at\n"
+     "a time, and prints throughput, latency and the supernode report (or one\n"
+     "JSON line).  load_s includes making INT8 weights with --int8.\n"
+     "examples:\n"
+     "  cm384 bench -m DIR -p 512 -n 128 -t 2 --int8 --json\n"
+     "  cm384 bench -m DIR --requests 64 --concurrency 16 --shared-prefix 0.5 --tenants 2 --preset paper\n"},
+    {"info", C_INFO, cmd_info, 0, 0, "", "print the model's shapes and sizes",
+     "Loads the model and prints its type, shapes, parameter counts and sizes.\n"
+     "examples:\n"
+     "  cm384 info -m tests/fixtures/tiny-dsv3\n"
+     "  cm384 info -m DIR --check-values\n"},
+};
+#define N_COMMANDS (int)(sizeof commands / sizeof commands[0])
+
+#define EXIT_RUNTIME 1
+#define EXIT_USAGE   2
+
+static const command *find_command(const char *name) {
+    for (int i = 0; i < N_COMMANDS; i++)
+        if (!strcmp(commands[i].name, name)) return &commands[i];
+    return NULL;
 }
 
-static int parse(int argc, char **argv, opts *o) {
-    memset(o, 0, sizeof *o);
-    o->model = "models/shakespeare";
-    o->n_tokens = -1; o->n_prompt = -1; o->top = 5; o->int8_dispatch = -1; o->microbatches = 0;
-    o->requests = 16; o->concurrency = 16; o->tenants = 1; o->top_p = 1.0f; o->seed = 0;
-    for (int i = 2; i < argc; i++) {
-        const char *a = argv[i];
-        const char *v = i + 1 < argc ? argv[i + 1] : NULL;
-#define VAL (v ? (i++, v) : (fprintf(stderr, "cm384: %s needs a value\n", a), exit(2), ""))
-        if (!strcmp(a, "-m")) o->model = VAL;
-        else if (!strcmp(a, "-p")) { o->prompt = VAL; o->n_prompt = atoi(o->prompt); }
-        else if (!strcmp(a, "-n")) o->n_tokens = atoi(VAL);
-        else if (!strcmp(a, "-t")) o->threads = atoi(VAL);
-        else if (!strcmp(a, "--temp")) o->temperature = (float)atof(VAL);
-        else if (!strcmp(a, "--top-k")) o->top_k = atoi(VAL);
-        else if (!strcmp(a, "--top-p")) o->top_p = (float)atof(VAL);
-        else if (!strcmp(a, "--min-p")) o->min_p = (float)atof(VAL);
-        else if (!strcmp(a, "--seed")) o->seed = atoll(VAL);
-        else if (!strcmp(a, "--system")) o->system = VAL;
-        else if (!strcmp(a, "--preset")) o->preset = VAL;
-        else if (!strcmp(a, "--devices")) o->devices = atoi(VAL);
-        else if (!strcmp(a, "--microbatches")) o->microbatches = atoi(VAL);
-        else if (!strcmp(a, "--ctx")) { o->max_ctx = atoi(VAL); o->window = o->max_ctx; }
-        else if (!strcmp(a, "--int8")) o->int8 = 1;
-        else if (!strcmp(a, "--no-int8-dispatch")) o->int8_dispatch = 0;
-        else if (!strcmp(a, "--int8-dispatch")) o->int8_dispatch = 1;
-        else if (!strcmp(a, "--mtp")) o->mtp = 1;
-        else if (!strcmp(a, "--trace")) o->trace = VAL;
-        else if (!strcmp(a, "--report")) o->report = 1;
-        else if (!strcmp(a, "--top")) o->top = atoi(VAL);
-        else if (!strcmp(a, "--bos")) o->bos = 1;
-        else if (!strcmp(a, "--json")) o->json = 1;
-        else if (!strcmp(a, "--quiet")) o->quiet = 1;
-        else if (!strcmp(a, "--requests")) o->requests = atoi(VAL);
-        else if (!strcmp(a, "--concurrency")) o->concurrency = atoi(VAL);
-        else if (!strcmp(a, "--shared-prefix")) o->shared_prefix = (float)atof(VAL);
-        else if (!strcmp(a, "--tenants")) o->tenants = atoi(VAL);
-        else if (a[0] == '-' && a[1]) { fprintf(stderr, "cm384: unknown option %s (cm384 help)\n", a); return 2; }
-        else if (o->n_args < 8) o->args[o->n_args++] = a;
-#undef VAL
+static void usage(FILE *f) {
+    fprintf(f, "usage: cm384 COMMAND [options] [--] [arguments]\ncommands:\n");
+    for (int i = 0; i < N_COMMANDS; i++) fprintf(f, "  %-11s %s\n", commands[i].name, commands[i].summary);
+    fprintf(f, "`cm384 help COMMAND` (or `cm384 COMMAND --help`) shows a command's options and examples;\n"
+               "`cm384 --version` the version.  Exit status: 0 done, 1 failed, 2 bad command line.\n");
+}
+
+static void command_help(const command *c) {
+    printf("usage: cm384 %s [options]%s%s\n\n%s\noptions:\n", c->name, c->args[0] ? " " : "", c->args, c->help);
+    for (int i = 0; i < N_OPTIONS; i++) {
+        const option *p = &options[i];
+        if (!(p->cmds & c->bit)) continue;
+        char left[40];
+        snprintf(left, sizeof left, "%s%s%s", p->name, p->arg ? " " : "", p->arg ? p->arg : "");
+        printf("  %-20s %s\n", left, p->help);
+    }
+    printf("  %-20s %s\n  %-20s %s\n", "-h, --help", "this help", "--", "ends the options: what follows is an argument");
+}
+
+/* Prints "cm384 CMD: message" and where to look; returns EXIT_USAGE. */
+static int bad_usage(const command *c, const char *fmt, ...)
+#if defined(__GNUC__)
+    __attribute__((format(printf, 2, 3)))
+#endif
+    ;
+static int bad_usage(const command *c, const char *fmt, ...) {
+    va_list ap;
+    va_start(ap, fmt);
+    fprintf(stderr, "cm384 %s: ", c->name);
+    vfprintf(stderr, fmt, ap);
+    va_end(ap);
+    fprintf(stderr, " (cm384 help %s)\n", c->name);
+    return EXIT_USAGE;
+}
+
+/* Strict numbers: the whole text, in range; no spaces, no hex, no NaN. */
+static int read_number(const command *c, const option *p, const char *s, void *field) {
+    char *end;
+    errno = 0;
+    if (!*s || *s == ' ' || *s == '\t' || *s == '\n' || *s == '+')
+        return bad_usage(c, "%s \"%s\": not a number", p->name, s);
+    if (p->kind == O_INT) {
+        long v = strtol(s, &end, 10);
+        if (*end || errno) return bad_usage(c, "%s \"%s\": not an integer", p->name, s);
+        if (v < p->lo || v > p->hi)
+            return bad_usage(c, "%s %ld: must be from %.0f to %.0f", p->name, v, p->lo, p->hi);
+        *(int *)field = (int)v;
+    } else if (p->kind == O_U64) {
+        if (*s == '-') return bad_usage(c, "%s \"%s\": must be a non-negative integer", p->name, s);
+        unsigned long long v = strtoull(s, &end, 10);
+        if (*end || errno) return bad_usage(c, "%s \"%s\": not an integer from 0 to %llu", p->name, s, ~0ull);
+        *(unsigned long long *)field = v;
+    } else {
+        double v = strtod(s, &end);
+        if (*end || errno || !isfinite(v) || (s[0] == '0' && (s[1] == 'x' || s[1] == 'X')))
+            return bad_usage(c, "%s \"%s\": not a number", p->name, s);
+        if (v < p->lo || v > p->hi) return bad_usage(c, "%s %s: must be from %g to %g", p->name, s, p->lo, p->hi);
+        *(double *)field = v;
     }
     return 0;
 }
 
+/* Reads argv[2..] for command c.  Returns 0, EXIT_USAGE, or -1 for --help. */
+static int parse_args(const command *c, int argc, char **argv, opts *o) {
+    memset(o, 0, sizeof *o);
+    o->cmd = c->name;
+    o->model = "models/shakespeare";
+    o->top = 5;
+    o->int8_dispatch = -1;                                 /* the library's default */
+    o->top_p = 1.0;
+    o->requests = 16;
+    o->concurrency = 16;
+    o->tenants = 1;
+    int only_args = 0;
+    for (int i = 2; i < argc; i++) {
+        const char *a = argv[i];
+        if (only_args || a[0] != '-' || !a[1]) {              /* "-" alone is an argument (stdin) */
+            if (o->n_args >= c->max_args) {
+                if (c->max_args == 0) return bad_usage(c, "takes no arguments, got \"%s\"", a);
+                return bad_usage(c, "takes %d argument%s (%s), got another: \"%s\"", c->max_args,
+                                 c->max_args > 1 ? "s" : "", c->args, a);
+            }
+            o->args[o->n_args++] = a;
+            continue;
+        }
+        if (!strcmp(a, "--")) { only_args = 1; continue; }
+        if (!strcmp(a, "-h") || !strcmp(a, "--help")) return -1;
+        /* --name=value */
+        char name[64];
+        const char *eq = !strncmp(a, "--", 2) ? strchr(a, '=') : NULL, *val = NULL;
+        size_t nl = eq ? (size_t)(eq - a) : strlen(a);
+        if (nl >= sizeof name) return bad_usage(c, "unknown option %.40s...", a);
+        memcpy(name, a, nl);
+        name[nl] = 0;
+        if (eq) val = eq + 1;
+        const option *p = NULL;
+        int elsewhere = 0;
+        for (int k = 0; k < N_OPTIONS && !p; k++)
+            if (!strcmp(options[k].name, name)) {
+                if (options[k].cmds & c->bit) p = &options[k];
+                else elsewhere = 1;
+            }
+        if (!p) {
+            if (elsewhere) return bad_usage(c, "%s is not an option of %s", name, c->name);
+            return bad_usage(c, "unknown option %s", name);
+        }
+        void *field = (char *)o + p->off;
+        if (p->kind == O_FLAG) {
+            if (val) return bad_usage(c, "%s takes no value", name);
+            *(int *)field = p->flag_value;
+            continue;
+        }
+        if (!val) {
+            if (i + 1 >= argc) return bad_usage(c, "%s needs a value (%s)", name, p->arg);
+            val = argv[++i];
+        }
+        if (p->kind == O_STR) *(const char **)field = val;
+        else if (read_number(c, p, val, field)) return EXIT_USAGE;
+    }
+    if (o->n_args < c->min_args) return bad_usage(c, "missing %s", c->args);
+    if (o->preset && strcmp(o->preset, "default") && strcmp(o->preset, "paper") && strcmp(o->preset, "single"))
+        return bad_usage(c, "--preset \"%s\": one of default, paper, single", o->preset);
+    if (c->bit == C_RUN && o->prompt && o->n_args) return bad_usage(c, "give the prompt as -p TEXT or as the argument, not both");
+    return 0;
+}
+
+/* ---- loading, with progress on one line ---- */
+
+static struct { const char *stage; int pct, open, show, force; } progress;
+
+static void progress_end(void) {
+    if (progress.open) fputc('\n', stderr);
+    progress.open = 0;
+}
+
 static int die(const char *what, int status) {
+    progress_end();
     fprintf(stderr, "cm384: %s: %s\n", what, cm384_last_error()[0] ? cm384_last_error() : cm384_strerror(status));
-    return 1;
+    return EXIT_RUNTIME;
 }
 
 static int on_progress(void *user, const char *stage, uint64_t done, uint64_t total) {
-    int *last = user, pct = total ? (int)(100.0 * (double)done / (double)total) : 100;
-    if (total > (64u << 20) && pct / 10 != *last / 10) {          /* big models: every 10% */
-        fprintf(stderr, "\rloading %s: %3d%%%s", stage, pct, pct >= 100 ? "\n" : "");
-        *last = pct;
+    (void)user;
+    int pct = total ? (int)(100.0 * (double)done / (double)total) : 100;
+    if (pct > 100) pct = 100;
+    if (!progress.stage || strcmp(progress.stage, stage)) {   /* a new stage: a new line */
+        progress_end();
+        progress.stage = stage;
+        progress.pct = -1;
+        progress.show = progress.force || total > (64u << 20);   /* big models only: every 10% */
+    }
+    if (progress.show && (pct / 10 != progress.pct / 10 || (pct == 100 && progress.pct != 100))) {
+        const char *what = !strcmp(stage, "tensors") ? "loading tensors"
+                         : !strcmp(stage, "check") ? "checking values"
+                         : !strcmp(stage, "quantize") ? "making INT8 weights" : stage;
+        fprintf(stderr, "\r%s: %3d%%", what, pct);
+        progress.open = 1;
+        progress.pct = pct;
+        if (pct == 100) progress_end();
     }
     return 0;
 }
@@ -126,12 +334,20 @@ static int on_progress(void *user, const char *stage, uint64_t done, uint64_t to
 static int load(const opts *o, cm384_model **m) {
     cm384_load_opts lo;
     cm384_load_opts_init(&lo);
-    int last = -10;
     lo.progress = on_progress;
-    lo.progress_user = &last;
+    progress.force = o->progress;
+    lo.check_values = o->check_values;
+    lo.int8 = o->int8;
     int r = cm384_model_load(o->model, &lo, m);
+    progress_end();
     if (r) return die("loading the model", r);
     return 0;
+}
+
+static void on_log(void *user, int level, const char *msg) {
+    const opts *o = user;
+    if (level >= 2) fprintf(stderr, "cm384: warning: %s\n", msg);
+    else if (o->verbose) fprintf(stderr, "cm384: %s\n", msg);
 }
 
 static int make_engine(const opts *o, cm384_model *m, cm384_engine **e) {
@@ -142,10 +358,12 @@ static int make_engine(const opts *o, cm384_model *m, cm384_engine **e) {
     if (o->preset) c.preset = o->preset;
     if (o->max_ctx) c.max_ctx = o->max_ctx;
     c.int8 = o->int8;
-    c.int8_dispatch = o->int8_dispatch;
+    if (o->int8_dispatch >= 0) c.int8_dispatch = o->int8_dispatch;
     c.microbatches = o->microbatches;
     c.mtp = o->mtp;
     c.trace_path = o->trace;
+    c.log = on_log;
+    c.log_user = (void *)o;
     int r = cm384_engine_create(m, &c, e);
     if (r) return die("creating the engine", r);
     return 0;
@@ -153,10 +371,10 @@ static int make_engine(const opts *o, cm384_model *m, cm384_engine **e) {
 
 static void sampling_from(const opts *o, cm384_sampling *s, int dflt_tokens) {
     cm384_sampling_init(s);
-    s->temperature = o->temperature;
+    s->temperature = (float)o->temperature;
     s->top_k = o->top_k;
-    s->top_p = o->top_p;
-    s->min_p = o->min_p;
+    s->top_p = (float)o->top_p;
+    s->min_p = (float)o->min_p;
     s->seed = (uint64_t)o->seed;
     s->max_tokens = o->n_tokens > 0 ? o->n_tokens : dflt_tokens;
 }
@@ -183,99 +401,110 @@ static int print_event(void *user, const cm384_event *ev) {
         }
     }
     if (ev->kind == CM384_EV_TOKEN) s->n++;
-    if (ev->kind != CM384_EV_TOKEN) {
+    else
         fprintf(stderr, "\n[%d prompt tokens (%d cached), %d generated, TTFT %.1f ms, %.1f ms/token]\n",
                 ev->n_prompt, ev->n_cached, ev->n_generated, ev->ttft_ms, ev->tpot_ms);
-    }
     return 0;
 }
 
-static void print_report(cm384_engine *e) {
+static int print_report(cm384_engine *e) {
     int n = cm384_report(e, NULL, 0);
-    char *buf = malloc((size_t)n + 1);
+    char *buf = n >= 0 ? malloc((size_t)n + 1) : NULL;
+    if (!buf) return die("report", n < 0 ? n : CM384_E_NOMEM);
     cm384_report(e, buf, (size_t)n + 1);
     fputs(buf, stdout);
     free(buf);
+    return 0;
 }
 
 static int cmd_run(const opts *o) {
     cm384_model *m;
     cm384_engine *e;
-    if (load(o, &m)) return 1;
-    if (make_engine(o, m, &e)) { cm384_model_free(m); return 1; }
+    if (load(o, &m)) return EXIT_RUNTIME;
+    if (make_engine(o, m, &e)) { cm384_model_free(m); return EXIT_RUNTIME; }
     const char *prompt = o->prompt ? o->prompt : o->n_args ? o->args[0] : "";
     cm384_sampling s;
     sampling_from(o, &s, 128);
     stream st = {stdout, 0, NULL, 0, 0};
     fputs(prompt, stdout);
     int r = cm384_generate(e, prompt, NULL, 0, &s, print_event, &st);
-    if (r && r != CM384_E_CANCELLED) { die("generating", r); }
-    if (o->report) { printf("\n"); print_report(e); }
+    if (r) die("generating", r);
+    if (o->report) { printf("\n"); if (print_report(e)) r = 1; }
     cm384_engine_free(e);
     cm384_model_free(m);
-    return r ? 1 : 0;
+    return r ? EXIT_RUNTIME : 0;
 }
 
 static int cmd_chat(const opts *o) {
     cm384_model *m;
     cm384_engine *e;
-    if (load(o, &m)) return 1;
-    if (make_engine(o, m, &e)) { cm384_model_free(m); return 1; }
-    cm384_chat_msg msgs[256];
-    char *owned[256];
-    int n = 0;
+    if (load(o, &m)) return EXIT_RUNTIME;
+    if (make_engine(o, m, &e)) { cm384_model_free(m); return EXIT_RUNTIME; }
+    enum { MAX_MSGS = 256 };
+    cm384_chat_msg msgs[MAX_MSGS];
+    char *owned[MAX_MSGS] = {0};
+    int n = 0, status = 0;
     if (o->system) msgs[n++] = (cm384_chat_msg){"system", o->system, NULL, 0};
-    char line[4096];
+    char *line = NULL;
+    size_t line_cap = 0;
     fprintf(stderr, "chat with %s (empty line or EOF ends)\n", o->model);
-    while (n < 250) {
+    while (n + 2 <= MAX_MSGS) {
         fprintf(stderr, "> ");
-        if (!fgets(line, sizeof line, stdin) || line[0] == '\n') break;
+        ssize_t got = getline(&line, &line_cap, stdin);
+        if (got <= 0 || line[0] == '\n') break;
         line[strcspn(line, "\n")] = 0;
-        owned[n] = strdup(line);
+        if (!(owned[n] = strdup(line))) { status = die("chat", CM384_E_NOMEM); break; }
         msgs[n] = (cm384_chat_msg){"user", owned[n], NULL, 0};
         n++;
         int len = cm384_chat_render(m, msgs, n, CM384_CHAT_ADD_GENERATION_PROMPT, NULL, 0);
-        if (len < 0) { die("chat_render", len); break; }
+        if (len < 0) { status = die("rendering the chat", len); break; }
         char *text = malloc((size_t)len + 1);
-        cm384_chat_render(m, msgs, n, CM384_CHAT_ADD_GENERATION_PROMPT, text, (size_t)len + 1);
-        int n_ids = cm384_tokenize(m, text, (size_t)len, NULL, 0, 0);
-        int32_t *ids = malloc(sizeof(int32_t) * (size_t)(n_ids > 0 ? n_ids : 1));
+        if (text) cm384_chat_render(m, msgs, n, CM384_CHAT_ADD_GENERATION_PROMPT, text, (size_t)len + 1);
+        int n_ids = text ? cm384_tokenize(m, text, (size_t)len, NULL, 0, 0) : CM384_E_NOMEM;
+        int32_t *ids = n_ids > 0 ? malloc(sizeof(int32_t) * (size_t)n_ids) : NULL;
+        char *reply = calloc(1, 1 << 16);
+        if (!text || n_ids <= 0 || !ids || !reply) {
+            free(text); free(ids); free(reply);
+            status = die("tokenizing the chat", n_ids < 0 ? n_ids : CM384_E_NOMEM);
+            break;
+        }
         cm384_tokenize(m, text, (size_t)len, ids, n_ids, 0);
         cm384_sampling s;
         sampling_from(o, &s, 256);
-        char *reply = calloc(1, 1 << 16);
         stream st = {stdout, 0, reply, 0, 1 << 16};
         int r = cm384_generate(e, NULL, ids, n_ids, &s, print_event, &st);
         printf("\n");
         free(text);
         free(ids);
-        if (r) { die("generating", r); free(reply); break; }
+        if (r) { free(reply); status = die("generating", r); break; }
         owned[n] = reply;
         msgs[n++] = (cm384_chat_msg){"assistant", reply, NULL, 0};
     }
-    for (int i = o->system ? 1 : 0; i < n; i++) free(owned[i]);
+    free(line);
+    for (int i = 0; i < n; i++) free(owned[i]);
     cm384_engine_free(e);
     cm384_model_free(m);
-    return 0;
+    return status;
 }
 
 /* ---- tokenize / eval ---- */
 
 static int cmd_tokenize(const opts *o) {
     cm384_model *m;
-    if (load(o, &m)) return 1;
-    const char *text = o->n_args ? o->args[0] : o->prompt ? o->prompt : "";
-    int n = cm384_tokenize(m, text, strlen(text), NULL, 0, o->bos ? CM384_TOK_ADD_BOS : 0);
-    if (n < 0) { cm384_model_free(m); return die("tokenize", n); }
-    int32_t *ids = malloc(sizeof(int32_t) * (size_t)(n + 1));
-    cm384_tokenize(m, text, strlen(text), ids, n, o->bos ? CM384_TOK_ADD_BOS : 0);
+    if (load(o, &m)) return EXIT_RUNTIME;
+    const char *text = o->args[0];
+    unsigned flags = o->bos ? CM384_TOK_ADD_BOS : 0;
+    int n = cm384_tokenize(m, text, strlen(text), NULL, 0, flags);
+    int32_t *ids = n >= 0 ? malloc(sizeof(int32_t) * (size_t)(n + 1)) : NULL;
+    if (!ids) { cm384_model_free(m); return die("tokenize", n < 0 ? n : CM384_E_NOMEM); }
+    cm384_tokenize(m, text, strlen(text), ids, n, flags);
     printf("[");
     for (int i = 0; i < n; i++) printf("%s%d", i ? ", " : "", ids[i]);
     printf("]\n");
     if (!o->quiet)
         for (int i = 0; i < n; i++) {
             char piece[256];
-            cm384_detokenize(m, &ids[i], 1, piece, sizeof piece);
+            cm384_token_text(m, ids[i], piece, sizeof piece);
             printf("%6d  %s\n", ids[i], piece);
         }
     free(ids);
@@ -286,17 +515,23 @@ static int cmd_tokenize(const opts *o) {
 static int cmd_eval(const opts *o) {
     cm384_model *m;
     cm384_engine *e;
-    if (load(o, &m)) return 1;
-    if (make_engine(o, m, &e)) { cm384_model_free(m); return 1; }
-    const char *text = o->n_args ? o->args[0] : o->prompt ? o->prompt : "";
+    if (load(o, &m)) return EXIT_RUNTIME;
+    if (make_engine(o, m, &e)) { cm384_model_free(m); return EXIT_RUNTIME; }
+    const char *text = o->args[0];
     int n = cm384_tokenize(m, text, strlen(text), NULL, 0, CM384_TOK_ADD_BOS);
-    if (n <= 0) { cm384_engine_free(e); cm384_model_free(m); return die("tokenize", n); }
-    int32_t *ids = malloc(sizeof(int32_t) * (size_t)n);
-    cm384_tokenize(m, text, strlen(text), ids, n, CM384_TOK_ADD_BOS);
     int V = cm384_vocab_size(m);
-    float *lg = malloc(sizeof(float) * (size_t)n * V);
-    int r = cm384_eval(e, ids, n, lg, NULL);
-    if (r) { free(ids); free(lg); cm384_engine_free(e); cm384_model_free(m); return die("eval", r); }
+    int32_t *ids = n > 0 ? malloc(sizeof(int32_t) * (size_t)n) : NULL;
+    float *lg = n > 0 ? malloc(sizeof(float) * (size_t)n * (size_t)V) : NULL;
+    int r = n <= 0 ? (n < 0 ? n : CM384_E_INVALID) : !ids || !lg ? CM384_E_NOMEM : CM384_OK;
+    if (r) {
+        free(ids); free(lg); cm384_engine_free(e); cm384_model_free(m);
+        return die(n == 0 ? "eval: the text gives no tokens and the model has no BOS" : "tokenize", r);
+    }
+    cm384_tokenize(m, text, strlen(text), ids, n, CM384_TOK_ADD_BOS);
+    if ((r = cm384_eval(e, ids, n, lg, NULL))) {
+        free(ids); free(lg); cm384_engine_free(e); cm384_model_free(m);
+        return die("eval", r);
+    }
     for (int t = 0; t < n; t++) {
         char piece[256];
         cm384_detokenize(m, &ids[t], 1, piece, sizeof piece);
@@ -309,6 +544,7 @@ static int cmd_eval(const opts *o) {
             int best = -1;
             for (int v = 0; v < V; v++)
                 if ((best < 0 || row[v] > row[best]) && row[v] > -INFINITY) best = v;
+            if (best < 0) break;
             char p2[256];
             if (cm384_detokenize(m, &best, 1, p2, sizeof p2) < 0) snprintf(p2, sizeof p2, "<%d>", best);
             for (char *c = p2; *c; c++) if (*c == '\n') *c = ' ';
@@ -326,40 +562,69 @@ static int cmd_eval(const opts *o) {
 
 /* ---- perplexity ---- */
 
+/* The whole of a file (or of standard input for "-"), or NULL with a message. */
+static char *read_text(const char *path, size_t *len) {
+    FILE *f = stdin;
+    if (strcmp(path, "-")) {
+        struct stat st;
+        if (stat(path, &st) != 0) { fprintf(stderr, "cm384 perplexity: %s: %s\n", path, strerror(errno)); return NULL; }
+        if (S_ISDIR(st.st_mode)) { fprintf(stderr, "cm384 perplexity: %s is a directory, not a text file\n", path); return NULL; }
+        if (!(f = fopen(path, "rb"))) { fprintf(stderr, "cm384 perplexity: %s: %s\n", path, strerror(errno)); return NULL; }
+    }
+    size_t n = 0, cap = 1 << 16;
+    char *buf = malloc(cap);
+    while (buf) {
+        n += fread(buf + n, 1, cap - n - 1, f);
+        if (ferror(f)) { fprintf(stderr, "cm384 perplexity: %s: read error\n", path); free(buf); buf = NULL; break; }
+        if (feof(f)) break;
+        if (n + 1 >= cap) {
+            char *b = realloc(buf, cap *= 2);
+            if (!b) { free(buf); buf = NULL; }
+            buf = b;
+        }
+    }
+    if (f != stdin) fclose(f);
+    if (!buf) { fprintf(stderr, "cm384 perplexity: %s: out of memory\n", path); return NULL; }
+    buf[n] = 0;
+    *len = n;
+    return buf;
+}
+
 static int cmd_perplexity(const opts *o) {
-    const char *path = o->n_args ? o->args[0] : NULL;
-    if (!path) { fprintf(stderr, "cm384 perplexity: give a text file\n"); return 2; }
-    FILE *f = fopen(path, "rb");
-    if (!f) { perror(path); return 1; }
-    fseek(f, 0, SEEK_END);
-    long len = ftell(f);
-    fseek(f, 0, SEEK_SET);
-    char *text = malloc((size_t)len + 1);
-    size_t got = fread(text, 1, (size_t)len, f);
-    fclose(f);
-    text[got] = 0;
+    const char *path = o->args[0];
+    size_t got;
+    char *text = read_text(path, &got);
+    if (!text) return EXIT_RUNTIME;
     cm384_model *m;
     cm384_engine *e;
-    if (load(o, &m)) return 1;
-    int W = o->window > 1 ? o->window : 256;
+    if (load(o, &m)) { free(text); return EXIT_RUNTIME; }
+    int W = o->max_ctx ? o->max_ctx : 256;
+    int n = cm384_tokenize(m, text, got, NULL, 0, 0);
+    if (n < 2) {
+        if (n < 0) die("tokenize", n);
+        else fprintf(stderr, "cm384 perplexity: %s gives %d token%s; perplexity needs at least 2 "
+                             "(one to predict from, one to predict)\n", path, n, n == 1 ? "" : "s");
+        free(text);
+        cm384_model_free(m);
+        return EXIT_RUNTIME;
+    }
     opts oo = *o;
     oo.max_ctx = W;
-    oo.int8_dispatch = o->int8_dispatch;
-    if (make_engine(&oo, m, &e)) { cm384_model_free(m); return 1; }
-    int n = cm384_tokenize(m, text, got, NULL, 0, 0);
-    int32_t *ids = malloc(sizeof(int32_t) * (size_t)(n > 0 ? n : 1));
-    cm384_tokenize(m, text, got, ids, n, 0);
+    if (make_engine(&oo, m, &e)) { free(text); cm384_model_free(m); return EXIT_RUNTIME; }
+    int32_t *ids = malloc(sizeof(int32_t) * (size_t)n);
     int V = cm384_vocab_size(m);
-    float *lg = malloc(sizeof(float) * (size_t)W * V);
+    float *lg = malloc(sizeof(float) * (size_t)W * (size_t)V);
+    int status = 0;
+    if (!ids || !lg) status = die("perplexity", CM384_E_NOMEM);
+    else cm384_tokenize(m, text, got, ids, n, 0);
     /* non-overlapping windows of W tokens; each scored on all its positions
-       (W-1 predictions) */
-    double nll = 0;
+       (W-1 predictions); a last window of one token predicts nothing */
+    double nll = 0, t0 = now_s();
     long count = 0;
-    double t0 = now_s();
-    for (int w0 = 0; w0 + 1 < n; w0 += W) {
+    for (int w0 = 0; !status && w0 + 1 < n; w0 += W) {
         int wn = n - w0 < W ? n - w0 : W;
         int r = cm384_eval(e, ids + w0, wn, lg, NULL);
-        if (r) { die("eval", r); break; }
+        if (r) { status = die("eval", r); break; }
         for (int t = 0; t + 1 < wn; t++) {
             float *row = lg + (size_t)t * V, mx = row[0];
             for (int v = 1; v < V; v++) if (row[v] > mx) mx = row[v];
@@ -370,53 +635,48 @@ static int cmd_perplexity(const opts *o) {
         }
     }
     double dt = now_s() - t0;
-    printf("%s: %d tokens, windows of %d, %ld predictions: mean loss %.6f nats/token, perplexity %.4f (%.1f tok/s)\n",
-           path, n, W, count, nll / (count ? count : 1), exp(nll / (count ? count : 1)), count / dt);
+    if (!status)
+        printf("%s: %d tokens, windows of %d, %ld predictions: mean loss %.6f nats/token, perplexity %.4f (%.1f tok/s)\n",
+               path, n, W, count, nll / count, exp(nll / count), count / (dt > 0 ? dt : 1e-9));
     free(ids); free(lg); free(text);
     cm384_engine_free(e);
     cm384_model_free(m);
-    return 0;
+    return status;
 }
 
 /* ---- bench ---- */
 
-typedef struct bench_req { int32_t *ids; int n; uint64_t id; int done; } bench_req;
-
-static int bench_event(void *user, const cm384_event *ev) {
-    bench_req *b = user;
-    if (ev->kind != CM384_EV_TOKEN) b->done = 1;
-    return 0;
-}
+typedef struct bench_req { int32_t *ids; int n; uint64_t id; } bench_req;
 
 static int cmd_bench(const opts *o) {
     cm384_model *m;
     cm384_engine *e;
     double t_load = now_s();
-    if (load(o, &m)) return 1;
+    if (load(o, &m)) return EXIT_RUNTIME;
     t_load = now_s() - t_load;
     int P = o->n_prompt > 0 ? o->n_prompt : 128, N = o->n_tokens > 0 ? o->n_tokens : 64;
-    int R = o->requests > 0 ? o->requests : 1, C = o->concurrency > 0 ? o->concurrency : 1;
-    if (C > R) C = R;
+    int R = o->requests, C = o->concurrency < R ? o->concurrency : R, T = o->tenants;
+    int V = cm384_vocab_size(m), bos = cm384_token_bos(m);
+    if (V < 4) { cm384_model_free(m); fprintf(stderr, "cm384 bench: the vocabulary is too small (%d)\n", V); return EXIT_RUNTIME; }
     opts oo = *o;
     if (!oo.max_ctx) oo.max_ctx = P + N + 16;
-    if (make_engine(&oo, m, &e)) { cm384_model_free(m); return 1; }
-    int V = cm384_vocab_size(m), bos = cm384_token_bos(m);
+    if (make_engine(&oo, m, &e)) { cm384_model_free(m); return EXIT_RUNTIME; }
     /* prompts: a shared prefix per tenant, then random tokens */
-    int shared = (int)(o->shared_prefix * P);
+    int shared = (int)(o->shared_prefix * P), status = 0;
     uint64_t rng = 0x1234567;
     bench_req *rq = calloc((size_t)R, sizeof *rq);
-    int32_t **prefix = calloc((size_t)(o->tenants > 0 ? o->tenants : 1), sizeof *prefix);
-    int T = o->tenants > 0 ? o->tenants : 1;
-    for (int t = 0; t < T; t++) {
-        prefix[t] = malloc(sizeof(int32_t) * (size_t)(shared + 1));
-        for (int i = 0; i < shared; i++) { rng = rng * 6364136223846793005ull + 1; prefix[t][i] = 3 + (int)((rng >> 33) % (uint64_t)(V - 3)); }
+    int32_t *prefix = malloc(sizeof(int32_t) * (size_t)T * (size_t)(shared + 1));
+    if (!rq || !prefix) status = die("bench", CM384_E_NOMEM);
+    for (int i = 0; !status && i < T * shared; i++) {
+        rng = rng * 6364136223846793005ull + 1;
+        prefix[i] = 3 + (int)((rng >> 33) % (uint64_t)(V - 3));
     }
-    for (int i = 0; i < R; i++) {
+    for (int i = 0; !status && i < R; i++) {
         rq[i].n = P;
-        rq[i].ids = malloc(sizeof(int32_t) * (size_t)P);
+        if (!(rq[i].ids = malloc(sizeof(int32_t) * (size_t)P))) { status = die("bench", CM384_E_NOMEM); break; }
         for (int k = 0; k < P; k++) {
             rng = rng * 6364136223846793005ull + 1;
-            rq[i].ids[k] = k < shared ? prefix[i % T][k] : 3 + (int)((rng >> 33) % (uint64_t)(V - 3));
+            rq[i].ids[k] = k < shared ? prefix[(size_t)(i % T) * shared + k] : 3 + (int)((rng >> 33) % (uint64_t)(V - 3));
         }
         if (bos >= 0) rq[i].ids[0] = bos;
     }
@@ -426,21 +686,28 @@ static int cmd_bench(const opts *o) {
     s.ignore_eos = 1;
     double t0 = now_s();
     int next = 0, finished = 0;
-    while (finished < R) {
+    while (!status && finished < R) {
         while (next < R && next - finished < C) {
             cm384_request q;
             cm384_request_init(&q);
             q.ids = rq[next].ids; q.n_ids = rq[next].n; q.sampling = &s;
             q.tenant = (uint32_t)(next % T);
-            q.on_event = bench_event; q.user = &rq[next];
-            if (cm384_submit(e, &q, &rq[next].id)) { die("submit", -1); break; }
+            int r = cm384_submit(e, &q, &rq[next].id);
+            if (r) { status = die("submit", r); break; }
             next++;
         }
-        cm384_wait(e, rq[finished].id, -1);
+        if (status) break;
+        int r = cm384_wait(e, rq[finished].id, -1);
+        if (r) { status = die("request", r); break; }
         finished++;
+    }
+    if (status) {                                     /* stop what is still running */
+        for (int i = finished; i < next; i++) cm384_cancel(e, rq[i].id);
+        cm384_wait_all(e);
     }
     double wall = now_s() - t0;
     cm384_stats st;
+    memset(&st, 0, sizeof st);
     st.struct_size = sizeof st;
     cm384_get_stats(e, &st);
     double out_tok_s = (double)R * N / wall;
@@ -456,7 +723,7 @@ static int cmd_bench(const opts *o) {
     /* a prompt token skips the head (only the last one needs logits) */
     double prefill_params = (double)in.n_active_params - (double)in.vocab_size * in.hidden_size;
     double prefill_gops = 2.0 * prefill_params * st.prefill_tok_per_s / 1e9;
-    if (o->json) {
+    if (!status && o->json) {
         printf("{\"active_params\":%llu,\"bytes_per_param\":%.1f,\"decode_weight_gbs\":%.2f,\"prefill_gops\":%.2f,",
                (unsigned long long)in.n_active_params, bpp, decode_gbs, prefill_gops);
         printf("\"model\":\"%s\",\"prompt\":%d,\"gen\":%d,\"requests\":%d,\"concurrency\":%d,\"threads\":%d,"
@@ -464,31 +731,34 @@ static int cmd_bench(const opts *o) {
                "\"wall_s\":%.3f,\"output_tok_s\":%.2f,\"prefill_tok_s\":%.2f,\"decode_tok_s\":%.2f,"
                "\"ttft_p50_ms\":%.2f,\"ttft_p99_ms\":%.2f,\"tpot_p50_ms\":%.3f,\"tpot_p99_ms\":%.3f,"
                "\"cache_hit_ratio\":%.4f,\"dispatch_bytes\":%llu,\"dispatch_bytes_bf16\":%llu,"
-               "\"combine_bytes\":%llu,\"preempted\":%llu,\"mtp_drafted\":%llu,\"mtp_accepted\":%llu}\n",
-               o->model, P, N, R, C, st.n_workers, o->preset ? o->preset : "default", o->int8, o->int8_dispatch,
-               o->shared_prefix, t_load, wall, out_tok_s, st.prefill_tok_per_s, st.decode_tok_per_s,
-               st.ttft_p50_ms, st.ttft_p99_ms, st.tpot_p50_ms, st.tpot_p99_ms, st.cache_hit_ratio,
-               (unsigned long long)st.dispatch_bytes, (unsigned long long)st.dispatch_bytes_bf16,
-               (unsigned long long)st.combine_bytes, (unsigned long long)st.requests_preempted,
-               (unsigned long long)st.mtp_drafted, (unsigned long long)st.mtp_accepted);
-    } else {
+               "\"combine_bytes\":%llu,\"preempted\":%llu,\"mtp_drafted\":%llu,\"mtp_accepted\":%llu,"
+               "\"mem_weight_bytes\":%llu,\"mem_kv_bytes\":%llu,\"mem_scratch_bytes\":%llu,\"mem_total_bytes\":%llu}\n",
+               o->model, P, N, R, C, st.n_workers, o->preset ? o->preset : "default", o->int8,
+               st.dispatch_bytes < st.dispatch_bytes_bf16,   /* INT8 dispatch was in effect: fewer bytes than bf16 */ o->shared_prefix, t_load, wall, out_tok_s,
+               st.prefill_tok_per_s, st.decode_tok_per_s, st.ttft_p50_ms, st.ttft_p99_ms, st.tpot_p50_ms,
+               st.tpot_p99_ms, st.cache_hit_ratio, (unsigned long long)st.dispatch_bytes,
+               (unsigned long long)st.dispatch_bytes_bf16, (unsigned long long)st.combine_bytes,
+               (unsigned long long)st.requests_preempted, (unsigned long long)st.mtp_drafted,
+               (unsigned long long)st.mtp_accepted, (unsigned long long)st.mem_weight_bytes,
+               (unsigned long long)st.mem_kv_bytes, (unsigned long long)st.mem_scratch_bytes,
+               (unsigned long long)st.mem_total_bytes);
+    } else if (!status) {
         printf("workload: %d requests x (%d prompt + %d generated) tokens, %d in flight, shared prefix %.0f%%, %d tenant%s\n",
                R, P, N, C, 100 * o->shared_prefix, T, T > 1 ? "s" : "");
         printf("wall %.2f s: %.1f generated tok/s overall; load %.2f s\n", wall, out_tok_s, t_load);
-        print_report(e);
+        if (print_report(e)) status = EXIT_RUNTIME;
     }
-    for (int i = 0; i < R; i++) free(rq[i].ids);
-    for (int t = 0; t < T; t++) free(prefix[t]);
+    for (int i = 0; rq && i < R; i++) free(rq[i].ids);
     free(prefix);
     free(rq);
     cm384_engine_free(e);
     cm384_model_free(m);
-    return 0;
+    return status;
 }
 
 static int cmd_info(const opts *o) {
     cm384_model *m;
-    if (load(o, &m)) return 1;
+    if (load(o, &m)) return EXIT_RUNTIME;
     cm384_model_info in;
     memset(&in, 0, sizeof in);
     in.struct_size = sizeof in;
@@ -506,20 +776,33 @@ static int cmd_info(const opts *o) {
 }
 
 int main(int argc, char **argv) {
-    if (argc < 2 || !strcmp(argv[1], "help") || !strcmp(argv[1], "-h") || !strcmp(argv[1], "--help")) {
-        usage();
-        return argc < 2 ? 2 : 0;
+    if (argc < 2) { usage(stderr); return EXIT_USAGE; }
+    const char *c = argv[1];
+    if (!strcmp(c, "--version") || !strcmp(c, "version")) {
+        if (argc > 2) { fprintf(stderr, "cm384: %s takes no arguments\n", c); return EXIT_USAGE; }
+        printf("cm384 %s\n", cm384_version());
+        return 0;
+    }
+    if (!strcmp(c, "help") || !strcmp(c, "-h") || !strcmp(c, "--help")) {
+        if (argc == 2) { usage(stdout); return 0; }
+        const command *h = find_command(argv[2]);
+        if (!h || argc > 3) {
+            fprintf(stderr, "cm384 help: %s \"%s\" (cm384 help lists them)\n", h ? "one command, got also" : "no command",
+                    h ? argv[3] : argv[2]);
+            return EXIT_USAGE;
+        }
+        command_help(h);
+        return 0;
+    }
+    const command *cmd = find_command(c);
+    if (!cmd) {
+        fprintf(stderr, "cm384: unknown command \"%s\"\n", c);
+        usage(stderr);
+        return EXIT_USAGE;
     }
     opts o;
-    if (parse(argc, argv, &o)) return 2;
-    const char *c = argv[1];
-    if (!strcmp(c, "run")) return cmd_run(&o);
-    if (!strcmp(c, "chat")) return cmd_chat(&o);
-    if (!strcmp(c, "tokenize")) return cmd_tokenize(&o);
-    if (!strcmp(c, "eval")) return cmd_eval(&o);
-    if (!strcmp(c, "perplexity")) return cmd_perplexity(&o);
-    if (!strcmp(c, "bench")) return cmd_bench(&o);
-    if (!strcmp(c, "info")) return cmd_info(&o);
-    fprintf(stderr, "cm384: unknown command \"%s\" (cm384 help)\n", c);
-    return 2;
+    int r = parse_args(cmd, argc, argv, &o);
+    if (r < 0) { command_help(cmd); return 0; }
+    if (r) return r;
+    return cmd->run(&o);
 }

@@ -18,6 +18,7 @@
 #include "test_trust.c"
 #include "test_slo.c"
 #include "test_eplb.c"
+#include "test_progress.c"
 #include "test_fuzzfix.c"
 
 static const struct {
@@ -35,6 +36,7 @@ static const struct {
     {"trust", test_main_trust},
     {"slo", test_main_slo},
     {"eplb", test_main_eplb},
+    {"progress", test_main_progress},
     {"fuzzfix", test_main_fuzzfix},
 };
 

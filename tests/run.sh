@@ -37,15 +37,22 @@ T="$B/cm384_tests"
 [ -f "$B/models/v3-width/config.json" ] ||
     "$B/gen_synth" --preset tiny --set hidden_size=7168 --no-index "$B/models/v3-width" >/dev/null 2>&1 ||
     echo "   (could not generate $B/models/v3-width)"
+# an FP8 model with plain q_proj and two shared experts, for the memory estimate
+[ -f "$B/models/fp8-q-plain/config.json" ] ||
+    "$B/gen_synth" --preset tiny --dtype fp8 --set q_lora_rank=null --set num_hidden_layers=2 --set n_shared_experts=2 \
+        -q "$B/models/fp8-q-plain" >/dev/null 2>&1 ||
+    echo "   (could not generate $B/models/fp8-q-plain)"
 for t in tokenizer kernels golden loader engine alloc model api trust slo eplb; do
     step "$t" "$T" $t
 done
+step "progress" "$T" progress "$B/models/fp8-q-plain"
 step "fuzzfix" "$T" fuzzfix
 
 # the same under AddressSanitizer + UndefinedBehaviorSanitizer
 for t in tokenizer kernels golden loader api trust slo eplb; do
     step "asan+ubsan $t" env ASAN_OPTIONS=detect_leaks=1 "$B/asan/cm384_tests" $t
 done
+step "asan+ubsan progress" env ASAN_OPTIONS=detect_leaks=1 "$B/asan/cm384_tests" progress "$B/models/fp8-q-plain"
 step "asan+ubsan fuzzfix" env ASAN_OPTIONS=detect_leaks=1 "$B/asan/cm384_tests" fuzzfix
 step "asan+ubsan model" env CM384_QUICK=1 ASAN_OPTIONS=detect_leaks=1 "$B/asan/cm384_tests" model
 step "asan+ubsan engine" env CM384_QUICK=1 ASAN_OPTIONS=detect_leaks=1 "$B/asan/cm384_tests" engine
@@ -70,6 +77,7 @@ step "cm384 perplexity = trainer's val_loss (within 0.5%)" perplexity_check
 step "examples/embed" "$B/embed" "$MODEL" "ROMEO:"
 step "cm384 tokenize" "$B/cm384" tokenize -m tests/fixtures/tiny-dsv3 --quiet "Hello world"
 step "cm384 eval" "$B/cm384" eval -m tests/fixtures/tiny-dsv3 -t 2 --top 2 "Hello"
+step "cm384 command line (tests/test_cli.sh)" sh tests/test_cli.sh "$B/cm384"
 step "cm384 bench (paper preset)" "$B/cm384" bench -m tests/fixtures/tiny-dsv3 -t 2 -p 32 -n 8 --requests 8 --preset paper --json
 
 # the README's embedding example compiles and runs as printed
