@@ -1,13 +1,15 @@
 /* chat: conversations built from fuzz bytes -- any roles (known, unknown,
  * NULL), contents (any bytes, NULL), tool calls (NULL names, arguments,
- * types) -- rendered in DeepSeek-V3's chat format with its real tokenizer.
- * Must hold: the render fails with CM384_E_INVALID exactly when a message
- * breaks the documented rules (no role; no content for user, system or
- * tool; a tool call without name or arguments); otherwise it starts with the
- * BOS text, holds every user, system and tool content, ends with the
- * assistant prefix when asked for and the last turn is not a tool output,
- * follows the snprintf convention, and tokenizing and detokenizing it gives
- * it back (lossily only where a content was not valid UTF-8). */
+ * types) -- rendered in any chat format (the model's, each DeepSeek format,
+ * numbers that are none) with DeepSeek-V3's real tokenizer.
+ * Must hold: an unknown format and a conversation that breaks the documented
+ * rules (no role; no content where the format needs one; a tool call without
+ * name or arguments) fail with CM384_E_INVALID, and only they; otherwise the
+ * render starts with the BOS text, follows the snprintf convention, and
+ * tokenizing and detokenizing it gives it back (lossily only where a content
+ * was not valid UTF-8); in V3's format (the model's) it also holds every
+ * user, system and tool content and ends with the assistant prefix when
+ * asked for and the last turn is not a tool output. */
 
 static cm384_model *fuzz_chat_model;
 
@@ -22,7 +24,15 @@ static int fuzz_chat(const uint8_t *data, size_t size) {
     static const char *roles[] = {"system", "user", "assistant", "tool", NULL, "", "developer", "User"};
     const cm384_model *m = fuzz_chat_model;
     fz f = {data, size};
-    unsigned flags = fz_u8(&f) & 1;
+    uint8_t fb = fz_u8(&f);
+    unsigned flags = fb & 1;
+    static const int formats[8] = {CM384_CHAT_MODEL, CM384_CHAT_DEEPSEEK_V2, CM384_CHAT_DEEPSEEK_V2_0628,
+                                   CM384_CHAT_DEEPSEEK_V25, CM384_CHAT_DEEPSEEK_V3, CM384_CHAT_DEEPSEEK_R1, 6, -1};
+    int format = formats[(fb >> 1) & 7];
+    int bad_format = format < 0 || format > CM384_CHAT_DEEPSEEK_R1;
+    int tools = format == CM384_CHAT_MODEL || format == CM384_CHAT_DEEPSEEK_V25 || format == CM384_CHAT_DEEPSEEK_V3 ||
+                format == CM384_CHAT_DEEPSEEK_R1;
+    int v3 = format == CM384_CHAT_MODEL || format == CM384_CHAT_DEEPSEEK_V3;   /* the model's is V3's */
     int n = fz_u8(&f) % 9;
     cm384_chat_msg msgs[8];
     cm384_tool_call calls[8][3];
@@ -53,7 +63,7 @@ static int fuzz_chat(const uint8_t *data, size_t size) {
         }
         /* what the header documents as invalid */
         if (!g->role) expect_invalid = 1;
-        else if (!g->content && (!strcmp(g->role, "user") || !strcmp(g->role, "system") || !strcmp(g->role, "tool")))
+        else if (!g->content && (!tools || !strcmp(g->role, "user") || !strcmp(g->role, "system") || !strcmp(g->role, "tool")))
             expect_invalid = 1;
         if (g->n_tool_calls < 0) expect_invalid = 1;
         for (int j = 0; j < g->n_tool_calls; j++)
@@ -61,28 +71,28 @@ static int fuzz_chat(const uint8_t *data, size_t size) {
         if (g->role && !strcmp(g->role, "tool")) last_tool = 1;
         else if (g->role && (!strcmp(g->role, "user") || !strcmp(g->role, "assistant"))) last_tool = 0;
     }
-    int len = cm384_chat_render(m, msgs, n, flags, NULL, 0);
-    if (expect_invalid) {
-        FUZZ_CHECK(len == CM384_E_INVALID, "an invalid conversation rendered (%d)", len);
+    int len = cm384_chat_render_format(m, format, msgs, n, flags, NULL, 0);
+    if (expect_invalid || bad_format) {
+        FUZZ_CHECK(len == CM384_E_INVALID, "an invalid conversation or format %d rendered (%d)", format, len);
     } else {
         FUZZ_CHECK(len >= 0, "a valid conversation failed");
         char *out = malloc((size_t)len + 1);
         if (!out) abort();
-        FUZZ_CHECK(cm384_chat_render(m, msgs, n, flags, out, (size_t)len + 1) == len, "render length");
+        FUZZ_CHECK(cm384_chat_render_format(m, format, msgs, n, flags, out, (size_t)len + 1) == len, "render length");
         FUZZ_CHECK(strlen(out) == (size_t)len, "render has a NUL inside");
         const char *bos = "<｜begin▁of▁sentence｜>";
         FUZZ_CHECK(!strncmp(out, bos, strlen(bos)), "render does not start with BOS");
-        for (int i = 0; i < n; i++)
+        for (int i = 0; v3 && i < n; i++)
             if (msgs[i].content && (!strcmp(msgs[i].role, "user") || !strcmp(msgs[i].role, "system") ||
                                     !strcmp(msgs[i].role, "tool")))
                 FUZZ_CHECK(strstr(out, msgs[i].content) != NULL, "message %d's content is missing", i);
         const char *asst = "<｜Assistant｜>";
-        if (flags && !last_tool)
+        if (v3 && flags && !last_tool)
             FUZZ_CHECK(len >= (int)strlen(asst) && !strcmp(out + len - strlen(asst), asst), "no generation prompt");
         if (len > 1) {
             char *cut = malloc((size_t)len / 2 + 1);
             if (!cut) abort();
-            FUZZ_CHECK(cm384_chat_render(m, msgs, n, flags, cut, (size_t)len / 2 + 1) == len, "small-cap length");
+            FUZZ_CHECK(cm384_chat_render_format(m, format, msgs, n, flags, cut, (size_t)len / 2 + 1) == len, "small-cap length");
             FUZZ_CHECK(!memcmp(cut, out, (size_t)len / 2) && cut[len / 2] == 0, "small cap is not a prefix");
             free(cut);
         }

@@ -5,8 +5,10 @@
  * file, exactly as tokenizer_load calls it.  Then a fixed conversation is
  * rendered.
  * Must hold: a bad file fails with FORMAT and names it; BOS and EOS ids are
- * -1 or real ids; the render is exactly the BOS text followed by DeepSeek-V3's
- * format of the conversation (R1's when the template mentions </think>). */
+ * -1 or real ids; the template is recognised as one of the known formats or
+ * not at all; the model's format renders (or, for none, fails with
+ * UNSUPPORTED) starting with the BOS text; V3's format renders exactly the
+ * BOS text followed by V3's format of the conversation. */
 
 #if CM384_ARENA_CHUNK != 0
 #error "the fuzz build sets CM384_ARENA_CHUNK 0: this harness frees what each input allocated, chunk by chunk"
@@ -51,17 +53,31 @@ static int fuzz_tokenizer_config(const uint8_t *data, size_t size) {
         FUZZ_CHECK(bos >= -1 && bos < V && eos >= -1 && eos < V, "bos %d eos %d vocab %d", bos, eos, V);
         const cm384_chat_msg msgs[] = {{"system", "S", NULL, 0}, {"user", "U", NULL, 0},
                                        {"assistant", "A</think>B", NULL, 0}, {"user", "V", NULL, 0}};
+        FUZZ_CHECK(t->chat_format == CM384_E_NOT_FOUND || t->chat_format == CM384_E_UNSUPPORTED ||
+                   (t->chat_format >= CM384_CHAT_DEEPSEEK_V2 && t->chat_format <= CM384_CHAT_DEEPSEEK_R1),
+                   "chat format %d", t->chat_format);
+        int n = cm384_chat_render(&m, msgs, 4, CM384_CHAT_ADD_GENERATION_PROMPT, NULL, 0);
+        if (t->chat_format < 0) FUZZ_CHECK(n == CM384_E_UNSUPPORTED, "no known template, yet the render gave %d", n);
+        else {
+            char *got = malloc((size_t)(n > 0 ? n : 0) + 1);
+            if (!got) abort();
+            FUZZ_CHECK(n >= 0 && cm384_chat_render(&m, msgs, 4, CM384_CHAT_ADD_GENERATION_PROMPT, got, (size_t)n + 1) == n,
+                       "render in the model's format: %d", n);
+            FUZZ_CHECK(!strncmp(got, t->bos_text, strlen(t->bos_text)), "the render does not start with the BOS text");
+            free(got);
+        }
         size_t want_cap = strlen(t->bos_text) + 512;
         char *want = malloc(want_cap);
         if (!want) abort();
-        snprintf(want, want_cap, "%sS<｜User｜>U<｜Assistant｜>%s<｜end▁of▁sentence｜><｜User｜>V%s", t->bos_text,
-                 t->chat_r1 ? "B" : "A</think>B", t->chat_r1_think ? "<｜Assistant｜><think>\n" : "<｜Assistant｜>");
-        int n = cm384_chat_render(&m, msgs, 4, CM384_CHAT_ADD_GENERATION_PROMPT, NULL, 0);
-        FUZZ_CHECK(n == (int)strlen(want), "render length %d, expected %zu", n, strlen(want));
+        snprintf(want, want_cap, "%sS<｜User｜>U<｜Assistant｜>A</think>B<｜end▁of▁sentence｜><｜User｜>V<｜Assistant｜>",
+                 t->bos_text);
+        n = cm384_chat_render_format(&m, CM384_CHAT_DEEPSEEK_V3, msgs, 4, CM384_CHAT_ADD_GENERATION_PROMPT, NULL, 0);
+        FUZZ_CHECK(n == (int)strlen(want), "V3 render length %d, expected %zu", n, strlen(want));
         char *got = malloc((size_t)n + 1);
         if (!got) abort();
-        FUZZ_CHECK(cm384_chat_render(&m, msgs, 4, CM384_CHAT_ADD_GENERATION_PROMPT, got, (size_t)n + 1) == n, "render");
-        FUZZ_CHECK(!strcmp(got, want), "render \"%s\", expected \"%s\"", got, want);
+        FUZZ_CHECK(cm384_chat_render_format(&m, CM384_CHAT_DEEPSEEK_V3, msgs, 4, CM384_CHAT_ADD_GENERATION_PROMPT, got,
+                                            (size_t)n + 1) == n, "V3 render");
+        FUZZ_CHECK(!strcmp(got, want), "V3 render \"%s\", expected \"%s\"", got, want);
         free(got);
         free(want);
     }
@@ -69,6 +85,6 @@ static int fuzz_tokenizer_config(const uint8_t *data, size_t size) {
     while (L->tmp.head != tmp_mark) { arena_chunk *c = L->tmp.head; L->tmp.head = c->next; free(c); }
     L->tmp.total = tmp_total;
     while (t->mem.head != fuzz_tc_mem_mark) { arena_chunk *c = t->mem.head; t->mem.head = c->next; free(c); }
-    t->chat_r1 = t->chat_r1_think = 0;
+    t->chat_format = CM384_E_NOT_FOUND;
     return 0;
 }

@@ -117,7 +117,7 @@ put("tokenizer_config", "unknown_bos.json", compact({"bos_token": "<s>", "eos_to
 
 # ---- tokenize: flags byte, then text (cases of the real tokenizer) ----
 cases = [json.loads(l) for l in read("tokenizer/cases.jsonl").split("\n")[:400] if l]
-texts = sorted({c.get("text", "") for c in cases if isinstance(c.get("text"), str)}, key=len)
+texts = sorted({c.get("text", "") for c in cases if isinstance(c.get("text"), str)}, key=lambda t: (len(t), t))
 pick = [t for t in texts if 0 < len(t.encode()) <= 200][::max(1, len(texts) // 24)][:24]
 for i, t in enumerate(pick):
     put("tokenize", "case%02d" % i, bytes([i & 3]) + t.encode())
@@ -146,6 +146,10 @@ put("chat", "tools", bytes([1, 4]) + msg(USER, "weather?") +
     msg(ASST, None, [("function", "get_weather", '{"city":"Paris"}'), ("function", "time", "{}")]) +
     msg(TOOL, "sunny") + msg(TOOL, "12:00"))
 put("chat", "odd_roles", bytes([0, 3]) + msg(6, "dev") + msg(7, "User") + msg(5, ""))
+# the first byte: bit 0 the generation prompt, bits 1-3 the format (the model's,
+# V2, V2-0628, V2.5, V3, R1, and two that are none)
+for i, name in ((1, "v2"), (2, "v2_0628"), (3, "v25"), (5, "r1"), (6, "not_a_format")):
+    put("chat", "format_" + name, bytes([1 | i << 1, 3]) + msg(SYS, "Be brief.") + msg(USER, "Hi") + msg(ASST, "Hello</think>there"))
 
 # ---- request: the harness's layout (mode byte, then the fields it selects) ----
 def req(mode, text=None, ids=None, n_ids=None, samp=None, tenant=0):
