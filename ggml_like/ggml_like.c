@@ -241,6 +241,7 @@ const gl_kernels *gl_kernels_scalar(void) { return &gl_scalar_kernels; }
 #if defined(__x86_64__) || defined(__i386__)
 #define GL_HAVE_AVX2 1
 #include "x86_avx2.c"
+#include "x86_avx512.c"
 #elif defined(__aarch64__)
 #define GL_HAVE_NEON 1
 #include "arm_neon.c"
@@ -286,6 +287,7 @@ static int gl_kernel_sets(const gl_kernels **out) {
     if (f & GL_X86_AVX2) out[n++] = &gl_avx2_kernels;
     if (f & GL_X86_AVX_VNNI) out[n++] = &gl_avx_vnni_kernels;
     if (f & GL_X86_AVX512) out[n++] = &gl_avx512_vnni_kernels;
+    if (f & GL_X86_AVX512) out[n++] = &gl_avx512_kernels;
 #elif defined(GL_HAVE_NEON)
     out[n++] = &gl_neon_kernels;
     if (f & GL_ARM_DOTPROD) out[n++] = &gl_neon_dot_kernels;
@@ -308,9 +310,21 @@ int gl_kernels_all(const gl_kernels **out, int cap) {
     return n;
 }
 
+/* Sets never chosen by gl_kernels_get (approximations an engine asks for
+ * by name) that this CPU runs. */
+static int gl_kernel_sets_optin(const gl_kernels **out) {
+    int n = 0, f = gl_cpu_features();
+    (void)f; (void)out;
+#if defined(GL_HAVE_AVX2)
+    if (f & GL_X86_AVX512_BF16) out[n++] = &gl_avx512_bf16_kernels;
+#endif
+    return n;
+}
+
 const gl_kernels *gl_kernels_by_name(const char *name) {
     const gl_kernels *sets[GL_MAX_SETS];
     int n = gl_kernel_sets(sets);
+    n += gl_kernel_sets_optin(sets + n);
     for (int i = 0; i < n; i++)
         if (name && strcmp(sets[i]->name, name) == 0) return sets[i];
     return NULL;

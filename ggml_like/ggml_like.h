@@ -78,6 +78,7 @@ void gl_row_range_to_f32(const gl_mat *w, int r, int c0, int n, float *out);
 /* A set of kernels for one instruction set: "scalar" (portable C), "avx2"
  * (x86-64 with AVX2, FMA, F16C), "avx_vnni" and "avx512_vnni" (AVX2 with
  * VNNI's vpdpbusd for W8A8, VEX- or EVEX-encoded on 256-bit vectors),
+ * "avx512" (everything on 512-bit vectors: AVX-512 F/BW/VL/VNNI),
  * "neon" (AArch64) and "neon_dotprod" (AArch64 with SDOT, for W8A8).
  * Sets may differ in the last bits of fp
  * results (each has its own fixed reduction order); W8A8 results are the
@@ -122,7 +123,10 @@ const gl_kernels *gl_kernels_scalar(void);
 /* All sets this CPU can run (for tests and benches), scalar first and the
  * one gl_kernels_get picks last; fills at most cap, returns the count. */
 int gl_kernels_all(const gl_kernels **out, int cap);
-/* The set of that name if this CPU can run it, else NULL (to pin a set). */
+/* The set of that name if this CPU can run it, else NULL (to pin a set).
+ * Also finds the opt-in sets gl_kernels_get never picks because they
+ * approximate: "avx512_bf16" (bf16 weights times activations rounded to
+ * bf16, by AVX512_BF16's vdpbf16ps). */
 const gl_kernels *gl_kernels_by_name(const char *name);
 
 /* Quantize a weight matrix to GL_Q8: q gets rows*cols int8, scale gets rows

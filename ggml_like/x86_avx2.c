@@ -494,7 +494,7 @@ static GL_AVX2 int avx2_widen16(int type, const uint16_t *p, float *out, int n) 
 /* ---- CPU features ---- */
 #include <cpuid.h>
 
-enum { GL_X86_AVX2 = 1, GL_X86_AVX512 = 2, GL_X86_AVX_VNNI = 4 };
+enum { GL_X86_AVX2 = 1, GL_X86_AVX512 = 2, GL_X86_AVX_VNNI = 4, GL_X86_AVX512_BF16 = 8 };
 
 static uint64_t gl_xgetbv0(void) {
     uint32_t lo, hi;
@@ -516,7 +516,9 @@ static int gl_x86_features(void) {
     if (((b >> 5) & 1) && fma && f16c) f |= GL_X86_AVX2;
     int avx512 = ((b >> 16) & 1) && ((b >> 30) & 1) && ((b >> 31) & 1) && ((c >> 11) & 1); /* F BW VL VNNI */
     if ((f & GL_X86_AVX2) && avx512 && (xcr0 & 0xe6) == 0xe6) f |= GL_X86_AVX512;   /* + opmask, ZMM state */
-    if ((f & GL_X86_AVX2) && a >= 1 && __get_cpuid_count(7, 1, &a, &b, &c, &d) && ((a >> 4) & 1))
-        f |= GL_X86_AVX_VNNI;
+    if ((f & GL_X86_AVX2) && a >= 1 && __get_cpuid_count(7, 1, &a, &b, &c, &d)) {
+        if ((a >> 4) & 1) f |= GL_X86_AVX_VNNI;
+        if ((f & GL_X86_AVX512) && ((a >> 5) & 1)) f |= GL_X86_AVX512_BF16;
+    }
     return f;
 }

@@ -152,6 +152,40 @@ static BENCH_AVX2 int int8_avx2(long iters) {
     }
 BENCH_VNNI_LOOP(int8_avx_vnni, GL_VNNI_TARGET, _mm256_dpbusd_avx_epi32)
 BENCH_VNNI_LOOP(int8_avx512_vnni, GL_EVEX_TARGET, _mm256_dpbusd_epi32)
+/* 512-bit (the avx512 set): FMA and vpdpbusd on zmm, 12 chains each
+   (latency 4-5 cycles at 2 per cycle needs about 10 in flight) */
+static __attribute__((target(GL_A512_TARGET))) float fma_avx512(long iters) {
+    __m512 a[12], m = _mm512_set1_ps(0.999999f), c = _mm512_set1_ps(1e-7f);
+#pragma GCC unroll 16
+    for (int j = 0; j < 12; j++) a[j] = _mm512_set1_ps((float)j);
+    for (long i = 0; i < iters; i++) {
+#pragma GCC unroll 16
+        for (int j = 0; j < 12; j++) a[j] = _mm512_fmadd_ps(a[j], m, c);
+        __asm__ volatile("" : "+v"(a[0]), "+v"(a[1]), "+v"(a[2]), "+v"(a[3]), "+v"(a[4]), "+v"(a[5]));
+    }
+    __m512 s = a[0];
+#pragma GCC unroll 16
+    for (int j = 1; j < 12; j++) s = _mm512_add_ps(s, a[j]);
+    return _mm512_reduce_add_ps(s);
+}
+/* The avx512 set's W8A8 step: one vpdpbusd per 64 products (the weights'
+   offset is a xor, amortized over the tile's tokens) */
+static __attribute__((target(GL_A512_TARGET))) int int8_avx512(long iters) {
+    __m512i acc[12], x[12], w = _mm512_set1_epi8(3);
+#pragma GCC unroll 16
+    for (int j = 0; j < 12; j++) acc[j] = _mm512_set1_epi32(j), x[j] = _mm512_set1_epi8((char)(j - 6));
+    for (long i = 0; i < iters; i++) {
+#pragma GCC unroll 16
+        for (int j = 0; j < 12; j++) acc[j] = _mm512_dpbusd_epi32(acc[j], w, x[j]);
+        __asm__ volatile("" : "+v"(x[0]), "+v"(x[1]), "+v"(x[2]), "+v"(x[3]), "+v"(x[4]), "+v"(x[5]), "+v"(w));
+    }
+    __m512i s = acc[0];
+#pragma GCC unroll 16
+    for (int j = 1; j < 12; j++) s = _mm512_add_epi32(s, acc[j]);
+    return _mm512_reduce_add_epi32(s);
+}
+#define FMA512_FLOPS_PER_ITER (12 * 16 * 2)
+#define VNNI512_OPS_PER_ITER  (12 * 64 * 2)
 #define FMA_FLOPS_PER_ITER (12 * 8 * 2)
 #define INT8_OPS_PER_ITER  (6 * 32 * 2)
 #define VNNI_OPS_PER_ITER  (6 * 32 * 2)
@@ -255,6 +289,8 @@ static void limit_task(void *ctx, int task, int worker) {
     else if (j->kind == 1) s = fma_avx2(j->iters);
     else if (j->kind == 4) s = (float)int8_avx_vnni(j->iters);
     else if (j->kind == 5) s = (float)int8_avx512_vnni(j->iters);
+    else if (j->kind == 6) s = (float)int8_avx512(j->iters);
+    else if (j->kind == 7) s = fma_avx512(j->iters);
     else s = (float)int8_avx2(j->iters);
 #else
     else if (j->kind == 1) s = fma_neon(j->iters);
@@ -328,7 +364,8 @@ static double bandwidth_once(limits *L, gl_pool *p) {
     return (double)L->buf_floats * 4 / time_tasks(p, TASKS, limit_task, &lj) / 1e9;
 }
 
-/* kind 1: fp32 FMA, 2: int8, 3: int8 SDOT, 4: AVX-VNNI, 5: AVX512-VNNI */
+/* kind 1: fp32 FMA, 2: int8, 3: int8 SDOT, 4: AVX-VNNI, 5: AVX512-VNNI
+   (256-bit), 6: AVX512-VNNI on zmm, 7: fp32 FMA on zmm */
 static double peak_once(limits *L, int kind) {
 #if defined(FMA_FLOPS_PER_ITER)
     int tasks = gl_pool_size(L->pn) * 2;
@@ -336,7 +373,8 @@ static double peak_once(limits *L, int kind) {
 #if defined(SDOT_OPS_PER_ITER)
     double per = kind == 1 ? FMA_FLOPS_PER_ITER : kind == 2 ? INT8_OPS_PER_ITER : SDOT_OPS_PER_ITER;
 #else
-    double per = kind == 1 ? FMA_FLOPS_PER_ITER : INT8_OPS_PER_ITER;   /* the same for VNNI */
+    double per = kind == 1 ? FMA_FLOPS_PER_ITER : kind == 6 ? VNNI512_OPS_PER_ITER : kind == 7 ? FMA512_FLOPS_PER_ITER
+               : INT8_OPS_PER_ITER;   /* the same for 256-bit VNNI */
 #endif
     return per * (double)L->iters * tasks / time_tasks(L->pn, tasks, limit_task, &j) / 1e9;
 #else
@@ -459,17 +497,18 @@ int main(int argc, char **argv) {
     L.buf = xmalloc(L.buf_floats * sizeof(float));                 /* 64 or 256 MB */
     for (size_t i = 0; i < L.buf_floats; i++) L.buf[i] = (float)(i & 255);
     /* the int8 peak of the instructions the chosen set uses */
-    int int8_kind = 2;
+    int int8_kind = 2, fma_kind = 1;   /* the peaks of the vector width the chosen set uses */
 #if defined(SDOT_OPS_PER_ITER)
     if (gl_cpu_features() & GL_ARM_DOTPROD) int8_kind = 3;
 #endif
 #if defined(GL_HAVE_AVX2)
     if (!strcmp(k->name, "avx_vnni")) int8_kind = 4;
     if (!strcmp(k->name, "avx512_vnni")) int8_kind = 5;
+    if (!strcmp(k->name, "avx512")) int8_kind = 6, fma_kind = 7;
 #endif
     double bw1s[7], bwns[7], fmas[5], int8s[5];
     for (int i = 0; i < 7; i++) { bw1s[i] = bandwidth_once(&L, p1); bwns[i] = bandwidth_once(&L, pn); }
-    for (int i = 0; i < 5; i++) { fmas[i] = peak_once(&L, 1); int8s[i] = peak_once(&L, int8_kind); }
+    for (int i = 0; i < 5; i++) { fmas[i] = peak_once(&L, fma_kind); int8s[i] = peak_once(&L, int8_kind); }
     /* a limit is the best the machine showed: on a shared host another
        process only ever lowers a run, and a low limit would flatter every
        ratio measured against it */
@@ -478,10 +517,10 @@ int main(int argc, char **argv) {
     snprintf(what, sizeof what, "read bandwidth, %d threads", threads);
     report(what, bwn, "GB/s", NULL, 0);
     if (fma_peak > 0) {
-        snprintf(what, sizeof what, "fp32 FMA peak, %d threads", threads);
+        snprintf(what, sizeof what, "fp32 FMA peak%s, %d threads", fma_kind == 7 ? " zmm" : "", threads);
         report(what, fma_peak, "GFLOP/s", NULL, 0);
         snprintf(what, sizeof what, "int8 %s peak, %d threads",
-                 int8_kind == 3 ? "sdot" : int8_kind >= 4 ? "vpdpbusd" : "multiply-add", threads);
+                 int8_kind == 3 ? "sdot" : int8_kind == 6 ? "vpdpbusd-zmm" : int8_kind >= 4 ? "vpdpbusd" : "multiply-add", threads);
         report(what, int8_peak, "GOP/s", NULL, 0);
     }
     if (!json) printf("(each ratio below: median over runs, each run against a limit measured just before it)\n");
@@ -529,7 +568,7 @@ int main(int argc, char **argv) {
         int type = types[ti], rows = 2048, cols = 2048, n = quick ? 128 : n_max;
         gl_mat *w = make_mats(type, rows, cols, 1);
         mm_run_ctx mc = {{k, w, 1, n, 0, 0, x, xq, xs, cols_max, y}, pn, 0};
-        peak_ctx pc = {&L, type == GL_Q8 ? int8_kind : 1};
+        peak_ctx pc = {&L, type == GL_Q8 ? int8_kind : fma_kind};
         mm_gops(&mc);   /* warm up */
         snprintf(what, sizeof what, "gemm n=%d %s %dx%d", n, type == GL_Q8 ? "q8" : "bf16", rows, cols);
         paired(what, "GOP/s", type == GL_Q8 ? "int8 peak" : "fp32 FMA peak", 5, mm_gops, &mc,

@@ -529,6 +529,58 @@ static void test_q8_extremes(const gl_kernels *k) {
     free(w); free(x);
 }
 
+/* The opt-in native-BF16 set: bf16 weights times activations rounded to
+ * bf16 (relative error up to 2^-9 each), so against the exact sum it is
+ * held to 2^-8 of sum|terms| (plus fp32 rounding); the worst error seen is
+ * printed -- that is the mode's measured accuracy.  Other weight types
+ * must give the avx512 set's bits. */
+static void test_bf16_native(const gl_kernels *k) {
+    const gl_kernels *base = gl_kernels_by_name("avx512");
+    static const int colss[] = {1, 7, 31, 32, 33, 129, 2048, 4097}, ns[] = {1, 3, 4, 5, 9};
+    float *wrow = xmalloc(4097 * sizeof(float));
+    double worst = 0;
+    for (size_t ci = 0; ci < sizeof colss / sizeof *colss; ci++) {
+        int cols = colss[ci], rows = 9, n = ns[ci % 5], ldx = cols + 1, ldy = rows + 2;
+        test_mat t = make_mat(GL_BF16, rows, cols);
+        test_act a = make_act(k, n, cols, ldx);
+        float *y = xmalloc((size_t)n * ldy * sizeof(float));
+        k->matmul(&t.m, a.x, n, ldx, y, ldy, 0, rows);
+        int bad = 0;
+        for (int r = 0; r < rows; r++) {
+            gl_row_to_f32(&t.m, r, wrow);
+            for (int i = 0; i < n; i++) {
+                double sum = 0, sum_abs = 0;
+                for (int c = 0; c < cols; c++) {
+                    double p = (double)wrow[c] * a.x[(size_t)i * ldx + c];
+                    sum += p; sum_abs += fabs(p);
+                }
+                double d = fabs((double)y[(size_t)i * ldy + r] - sum);
+                if (d > ldexp(1, -8) * sum_abs + fp_tol(cols, sum_abs)) bad++;
+                if (sum_abs > 0 && d / sum_abs > worst) worst = d / sum_abs;
+            }
+        }
+        check(!bad, "%s: bf16 matmul cols=%d n=%d: %d values beyond 2^-8 of sum|terms|", k->name, cols, n, bad);
+        free(y); free_act(&a); free_mat(&t);
+    }
+    printf("  %s: bf16 weights x bf16-rounded activations: worst error %.2e of sum|terms| (fp32 FMA path: ~1e-7)\n",
+           k->name, worst);
+    if (base)
+        for (int type = 0; type < GL_TYPE_COUNT; type++) {
+            if (type == GL_BF16) continue;
+            int rows = 13, cols = 300, n = 6;
+            test_mat t = make_mat(type, rows, cols);
+            test_act a = make_act(k, n, cols, cols);
+            float *y = xmalloc((size_t)n * rows * sizeof(float)), *yb = xmalloc((size_t)n * rows * sizeof(float));
+            run_mm(k, &t.m, &a, 0, n, y, rows, 0, rows);
+            run_mm(base, &t.m, &a, 0, n, yb, rows, 0, rows);
+            int bad = 0;
+            for (int j = 0; j < n * rows; j++) bad += f2u(y[j]) != f2u(yb[j]);
+            check(!bad, "%s: %s matmul differs from the avx512 set in %d values", k->name, type_name(type), bad);
+            free(y); free(yb); free_act(&a); free_mat(&t);
+        }
+    free(wrow);
+}
+
 /* ---- batch invariance ---- */
 
 typedef struct {
@@ -686,7 +738,7 @@ int main(int argc, char **argv) {
     {   /* built in, but only a CPU that has them can check them */
         int f = gl_cpu_features();
         if (!(f & GL_X86_AVX_VNNI)) printf("  avx_vnni: this CPU has no AVX-VNNI, not checked here\n");
-        if (!(f & GL_X86_AVX512)) printf("  avx512_vnni: this CPU has no AVX512-VNNI, not checked here\n");
+        if (!(f & GL_X86_AVX512)) printf("  avx512_vnni, avx512: this CPU has no AVX-512 (F/BW/VL/VNNI), not checked here\n");
     }
 #endif
     check(gl_kernels_get() == sets[n_sets - 1], "gl_kernels_get is not the last of gl_kernels_all");
@@ -708,6 +760,17 @@ int main(int argc, char **argv) {
         test_matmul_vs_scalar(sets[s]);
         test_q8_extremes(sets[s]);
         test_invariance(sets[s], pool2, pool4);
+    }
+    {   /* opt-in sets: never chosen by default; checked wherever the CPU has them */
+        const gl_kernels *bf = gl_kernels_by_name("avx512_bf16");
+        if (bf) {
+            test_bf16_native(bf);
+            test_q8_extremes(bf);
+            test_invariance(bf, pool2, pool4);
+        }
+#if defined(GL_HAVE_AVX2)
+        else printf("  avx512_bf16 (opt-in): this CPU has no AVX512_BF16, not checked here\n");
+#endif
     }
     gl_pool_free(pool2);
     gl_pool_free(pool4);

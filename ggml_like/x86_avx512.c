@@ -1,0 +1,624 @@
+/* x86_avx512.c -- the "avx512" kernel set: 512-bit vectors (AVX-512 F, BW,
+ * VL and VNNI: Ice Lake, Sapphire Rapids, Zen 4, Zen 5 and later).
+ *
+ * Included from ggml_like.c after x86_avx2.c (whose helpers, exp constants
+ * and feature bits it uses).  Every function carries a target attribute, so
+ * the library builds without -mavx512f; gl_kernels_get offers this set only
+ * when cpuid and XCR0 say the CPU and the OS run 512-bit code.
+ *
+ * fp products (f32, f16, bf16, fp8 weights; fp32 activations): the weights
+ * are widened to fp32 exactly (the values gl_row_to_f32 gives) and
+ * multiplied by FMA.  Reduction order of one dot product W[r] . x[i], the
+ * same in every path (tile shape, n, row range), so results are batch
+ * invariant: lane l of one 16-wide accumulator takes w[c]*x[c] for c = l
+ * (mod 16) in increasing c; the last cols%16 columns are one zero-padded
+ * block (masked loads); the 16 lanes are summed as lo256 + hi256 and then in
+ * avx2_hsum's order -- the transposed reduction of a full tile (a512_reduce16)
+ * adds exactly the same pairs.
+ *
+ * W8A8 products: vpdpbusd multiplies unsigned by signed bytes.  The weights
+ * are made unsigned by an offset, w + 128 (a xor of the sign bit), and the
+ * activations stay signed: sum (w+128)*x = sum w*x + 128 * sum x, so the
+ * token's sum of activations (computed once per call and token) times 128
+ * is subtracted.  Every step is exact in int32 (the offset sum is exact
+ * modulo 2^32 and the true sum fits), so every tile shape gives the scalar
+ * set's bits.  Unlike the 256-bit sets no per-(row, token) sign fix-up is
+ * needed: one vpdpbusd per 64 products.
+ *
+ * Loop structure: as the AVX2 set (tokens in L2-sized blocks, weight rows in
+ * panels that stay in L1 while every token tile passes over them), with
+ * 4-row x 4-token register tiles of 512-bit accumulators reduced together.
+ * With n = 1 the same tile streams 4 weight rows at a time, prefetching
+ * ahead: the matrix-vector path of decode, bound by memory bandwidth. */
+
+#define GL_A512_TARGET "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"
+#define GL_A512 __attribute__((target(GL_A512_TARGET)))
+#define GL_A512_INLINE static inline __attribute__((always_inline, target(GL_A512_TARGET)))
+
+#define A512_NR 4      /* weight rows per tile   */
+#define A512_NT 4      /* tokens per tile        */
+#define A512_XSUM_MAX 1024   /* tokens per block in the W8A8 path (their sums live on the stack) */
+
+/* Mask of the first rem (0..16) lanes / (0..64) bytes. */
+GL_A512_INLINE __mmask16 a512_mask16(int rem) { return (__mmask16)((1u << rem) - 1u); }
+GL_A512_INLINE __mmask64 a512_mask64(int rem) { return rem >= 64 ? ~(__mmask64)0 : (((__mmask64)1 << rem) - 1); }
+
+/* One accumulator's 16 lanes: lo256 + hi256, then avx2_hsum's order. */
+GL_A512_INLINE float a512_hsum(__m512 v) {
+    __m256 s = _mm256_add_ps(_mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+    return avx2_hsum(s);
+}
+GL_A512_INLINE int32_t a512_hsum_i32(__m512i v) {
+    return avx2_hsum_i32(_mm256_add_epi32(_mm512_castsi512_si256(v), _mm512_extracti64x4_epi64(v, 1)));
+}
+
+/* 16 accumulators reduced at once: lane 4k+m of the result is the sum of
+ * a[4m+k], each added in a512_hsum's order (the same pairs, so the same
+ * bits).  Four levels: 128-bit quarters (0+2, 1+3), then the two halves,
+ * then lanes (0+2, 1+3) within a quarter, then (0+1). */
+GL_A512_INLINE __m512 a512_reduce16(const __m512 *a) {
+    __m512 s[8], t[4], u[2];
+    for (int i = 0; i < 8; i++)
+        s[i] = _mm512_add_ps(_mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0x44), _mm512_shuffle_f32x4(a[2 * i], a[2 * i + 1], 0xee));
+    for (int i = 0; i < 4; i++)
+        t[i] = _mm512_add_ps(_mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0x88), _mm512_shuffle_f32x4(s[2 * i], s[2 * i + 1], 0xdd));
+    for (int i = 0; i < 2; i++)
+        u[i] = _mm512_add_ps(_mm512_unpacklo_ps(t[2 * i], t[2 * i + 1]), _mm512_unpackhi_ps(t[2 * i], t[2 * i + 1]));
+    return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(u[0]), _mm512_castps_pd(u[1]))),
+                         _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(u[0]), _mm512_castps_pd(u[1]))));
+}
+GL_A512_INLINE __m512i a512_reduce16_i32(const __m512i *a) {
+    __m512i s[8], t[4], u[2];
+    for (int i = 0; i < 8; i++)
+        s[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(a[2 * i], a[2 * i + 1], 0x44), _mm512_shuffle_i32x4(a[2 * i], a[2 * i + 1], 0xee));
+    for (int i = 0; i < 4; i++)
+        t[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(s[2 * i], s[2 * i + 1], 0x88), _mm512_shuffle_i32x4(s[2 * i], s[2 * i + 1], 0xdd));
+    for (int i = 0; i < 2; i++)
+        u[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(t[2 * i], t[2 * i + 1]), _mm512_unpackhi_epi32(t[2 * i], t[2 * i + 1]));
+    return _mm512_add_epi32(_mm512_unpacklo_epi64(u[0], u[1]), _mm512_unpackhi_epi64(u[0], u[1]));
+}
+
+/* Lane quarter t of v to y[t*ldy + r .. r+3]. */
+GL_A512_INLINE void a512_store4x4(__m512 v, float *y, int ldy, int r) {
+    _mm_storeu_ps(y + r, _mm512_extractf32x4_ps(v, 0));
+    _mm_storeu_ps(y + (size_t)ldy + r, _mm512_extractf32x4_ps(v, 1));
+    _mm_storeu_ps(y + 2 * (size_t)ldy + r, _mm512_extractf32x4_ps(v, 2));
+    _mm_storeu_ps(y + 3 * (size_t)ldy + r, _mm512_extractf32x4_ps(v, 3));
+}
+
+/* 16 weights of a stored type as fp32, the first `m` lanes loaded (the rest
+ * 0).  fp8 e4m3 goes through fp16 as in avx2_load_w: `scale` holds the
+ * block scale times 256. */
+GL_A512_INLINE __m512 a512_load_w(int type, const uint8_t *p, __m512 scale, __mmask16 m, int full) {
+    switch (type) {
+    case GL_F32: return full ? _mm512_loadu_ps(p) : _mm512_maskz_loadu_ps(m, p);
+    case GL_F16: return _mm512_cvtph_ps(full ? _mm256_loadu_si256((const __m256i *)p) : _mm256_maskz_loadu_epi16(m, p));
+    case GL_BF16: {
+        __m256i h = full ? _mm256_loadu_si256((const __m256i *)p) : _mm256_maskz_loadu_epi16(m, p);
+        return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+    }
+    default: {   /* GL_F8_E4M3 */
+        __m128i b = full ? _mm_loadu_si128((const __m128i *)p) : _mm_maskz_loadu_epi8(m, p);
+        __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(b), 7), _mm256_set1_epi16((short)0xbf80));
+        return _mm512_mul_ps(_mm512_cvtph_ps(h), scale);
+    }
+    }
+}
+
+/* One register tile: y[t*ldy + r+k] = W[r+k] . x[t*ldx] for k < nr, t < nt
+ * (constants after inlining).  pf: an address to prefetch from, at the
+ * pace this tile reads its rows. */
+GL_A512_INLINE void a512_tile(int type, const gl_mat *w, int r, int nr, const float *x, int ldx, int nt,
+                              float *y, int ldy, const uint8_t *pf) {
+    const int cols = w->cols, full = cols & ~15;
+    const size_t es = gl_type_size(type);
+    const int bcols = (cols + GL_F8_BLOCK - 1) / GL_F8_BLOCK;
+    const uint8_t *wr[A512_NR];
+    const float *wsc[A512_NR];
+    __m512 acc[A512_NR][A512_NT], s[A512_NR], wv[A512_NR];
+#pragma GCC unroll 4
+    for (int k = 0; k < nr; k++) {
+        wr[k] = (const uint8_t *)w->data + (size_t)(r + k) * (size_t)cols * es;
+        wsc[k] = type == GL_F8_E4M3 ? w->scale + (size_t)((r + k) / GL_F8_BLOCK) * (size_t)bcols : NULL;
+        s[k] = _mm512_setzero_ps();
+#pragma GCC unroll 4
+        for (int t = 0; t < nt; t++) acc[k][t] = _mm512_setzero_ps();
+    }
+    for (int cb = 0; cb < cols; cb += GL_F8_BLOCK) {
+        if (type == GL_F8_E4M3) {
+#pragma GCC unroll 4
+            for (int k = 0; k < nr; k++) s[k] = _mm512_set1_ps(wsc[k][cb / GL_F8_BLOCK] * 256.0f);
+        }
+        int ce = cb + GL_F8_BLOCK < full ? cb + GL_F8_BLOCK : full;
+        for (int c = cb; c < ce; c += 16) {
+            const uint8_t *pc = pf + (size_t)c * (size_t)nr * es;
+            _mm_prefetch((const char *)pc, _MM_HINT_NTA);
+            if (nr * es * 16 > 64) _mm_prefetch((const char *)pc + 64, _MM_HINT_NTA);
+            if (nr * es * 16 > 128) { _mm_prefetch((const char *)pc + 128, _MM_HINT_NTA); _mm_prefetch((const char *)pc + 192, _MM_HINT_NTA); }
+#pragma GCC unroll 4
+            for (int k = 0; k < nr; k++) wv[k] = a512_load_w(type, wr[k] + (size_t)c * es, s[k], 0, 1);
+#pragma GCC unroll 4
+            for (int t = 0; t < nt; t++) {
+                __m512 xv = _mm512_loadu_ps(x + (size_t)t * ldx + c);
+#pragma GCC unroll 4
+                for (int k = 0; k < nr; k++) acc[k][t] = _mm512_fmadd_ps(wv[k], xv, acc[k][t]);
+            }
+        }
+    }
+    if (full < cols) {   /* the zero-padded last block; s[] holds its scale */
+        const __mmask16 m = a512_mask16(cols - full);
+#pragma GCC unroll 4
+        for (int k = 0; k < nr; k++) wv[k] = a512_load_w(type, wr[k] + (size_t)full * es, s[k], m, 0);
+#pragma GCC unroll 4
+        for (int t = 0; t < nt; t++) {
+            __m512 xv = _mm512_maskz_loadu_ps(m, x + (size_t)t * ldx + full);
+#pragma GCC unroll 4
+            for (int k = 0; k < nr; k++) acc[k][t] = _mm512_fmadd_ps(wv[k], xv, acc[k][t]);
+        }
+    }
+    if (nr == 4 && nt == 4) {
+        __m512 a[16];
+        for (int k = 0; k < 4; k++)
+            for (int t = 0; t < 4; t++) a[4 * k + t] = acc[k][t];   /* lane 4t+k <- a[4k+t] */
+        a512_store4x4(a512_reduce16(a), y, ldy, r);
+        return;
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < nt; t++)
+#pragma GCC unroll 4
+        for (int k = 0; k < nr; k++) y[(size_t)t * ldy + r + k] = a512_hsum(acc[k][t]);
+}
+
+/* The tile for nt = 1..4 tokens (nr stays a constant). */
+GL_A512_INLINE void a512_tile_nt(int type, const gl_mat *w, int r, int nr, const float *x, int ldx, int nt,
+                                 float *y, int ldy, const uint8_t *pf) {
+    switch (nt) {
+    case 4: a512_tile(type, w, r, nr, x, ldx, 4, y, ldy, pf); break;
+    case 3: a512_tile(type, w, r, nr, x, ldx, 3, y, ldy, pf); break;
+    case 2: a512_tile(type, w, r, nr, x, ldx, 2, y, ldy, pf); break;
+    case 1: a512_tile(type, w, r, nr, x, ldx, 1, y, ldy, pf); break;
+    }
+}
+
+/* Rows [r, r1) in panels of nr, times n tokens (as avx2_panels). */
+GL_A512_INLINE void a512_panels(int type, const gl_mat *w, int nr, const float *x, int n, int ldx,
+                                float *y, int ldy, int r, int r1) {
+    const size_t row_bytes = (size_t)w->cols * gl_type_size(type);
+    for (; r + nr <= r1; r += nr) {
+        const uint8_t *panel = (const uint8_t *)w->data + (size_t)r * row_bytes;
+        const uint8_t *pf = r + (GL_PF_PANELS + 1) * nr <= r1 ? panel + GL_PF_PANELS * (size_t)nr * row_bytes : panel;
+        for (int i = 0; i < n; i += A512_NT, pf = panel) {
+            int nt = n - i < A512_NT ? n - i : A512_NT;
+            a512_tile_nt(type, w, r, nr, x + (size_t)i * ldx, ldx, nt, y + (size_t)i * ldy, ldy, pf);
+        }
+    }
+}
+
+GL_A512_INLINE void a512_matmul_typed(int type, const gl_mat *w, const float *x, int n, int ldx,
+                                      float *y, int ldy, int r0, int r1) {
+    const int nb = gl_token_block(w->cols, 4), r = r0 + (r1 - r0) / A512_NR * A512_NR;
+    for (int i0 = 0; i0 < n; i0 += nb) {
+        const int ni = n - i0 < nb ? n - i0 : nb;
+        a512_panels(type, w, A512_NR, x + (size_t)i0 * ldx, ni, ldx, y + (size_t)i0 * ldy, ldy, r0, r);
+        a512_panels(type, w, 1, x + (size_t)i0 * ldx, ni, ldx, y + (size_t)i0 * ldy, ldy, r, r1);
+    }
+}
+
+static GL_A512 void a512_matmul_f32(const gl_mat *w, const float *x, int n, int ldx, float *y, int ldy, int r0, int r1) {
+    a512_matmul_typed(GL_F32, w, x, n, ldx, y, ldy, r0, r1);
+}
+static GL_A512 void a512_matmul_f16(const gl_mat *w, const float *x, int n, int ldx, float *y, int ldy, int r0, int r1) {
+    a512_matmul_typed(GL_F16, w, x, n, ldx, y, ldy, r0, r1);
+}
+static GL_A512 void a512_matmul_bf16(const gl_mat *w, const float *x, int n, int ldx, float *y, int ldy, int r0, int r1) {
+    a512_matmul_typed(GL_BF16, w, x, n, ldx, y, ldy, r0, r1);
+}
+static GL_A512 void a512_matmul_f8(const gl_mat *w, const float *x, int n, int ldx, float *y, int ldy, int r0, int r1) {
+    a512_matmul_typed(GL_F8_E4M3, w, x, n, ldx, y, ldy, r0, r1);
+}
+
+static void a512_matmul(const gl_mat *w, const float *x, int n, int ldx, float *y, int ldy, int r0, int r1) {
+    switch (w->type) {
+    case GL_F32:     a512_matmul_f32(w, x, n, ldx, y, ldy, r0, r1); break;
+    case GL_F16:     a512_matmul_f16(w, x, n, ldx, y, ldy, r0, r1); break;
+    case GL_BF16:    a512_matmul_bf16(w, x, n, ldx, y, ldy, r0, r1); break;
+    case GL_F8_E4M3: a512_matmul_f8(w, x, n, ldx, y, ldy, r0, r1); break;
+    default:         scalar_matmul(w, x, n, ldx, y, ldy, r0, r1); break;
+    }
+}
+
+/* ---- W8A8 ---- */
+
+/* sum_c x[c] of each of n int8 rows (exact). */
+GL_A512_INLINE void a512_xsums(const int8_t *xq, int n, int ldx, int cols, int32_t *xsum) {
+    const __m512i ones = _mm512_set1_epi8(1);
+    for (int i = 0; i < n; i++) {
+        const int8_t *xr = xq + (size_t)i * ldx;
+        __m512i acc = _mm512_setzero_si512();
+        for (int c = 0; c < cols; c += 64)
+            acc = _mm512_dpbusd_epi32(acc, ones, _mm512_maskz_loadu_epi8(a512_mask64(cols - c), xr + c));
+        xsum[i] = _mm512_reduce_add_epi32(acc);
+    }
+}
+
+/* y[t*ldy + r+k] = (sum_c w[r+k][c]*x[t][c]) * wscale[r+k] * xscale[t]:
+ * acc gets (w+128)*x by vpdpbusd (w ^ 0x80 is w + 128 as an unsigned
+ * byte; zero-padded columns add (0+128)*0), then 128*xsum[t] comes off. */
+GL_A512_INLINE void a512_tile_q8(const gl_mat *w, int r, int nr, const int8_t *xq, const float *xs, const int32_t *xsum,
+                                 int ldx, int nt, float *y, int ldy, const int8_t *pf) {
+    const int cols = w->cols, full = cols & ~63;
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    const int8_t *wr[A512_NR];
+    __m512i acc[A512_NR][A512_NT], wv[A512_NR];
+#pragma GCC unroll 4
+    for (int k = 0; k < nr; k++) {
+        wr[k] = (const int8_t *)w->data + (size_t)(r + k) * (size_t)cols;
+#pragma GCC unroll 4
+        for (int t = 0; t < nt; t++) acc[k][t] = _mm512_setzero_si512();
+    }
+    for (int c = 0; c < full; c += 64) {
+        const int8_t *pc = pf + (size_t)c * nr;
+        _mm_prefetch((const char *)pc, _MM_HINT_NTA);
+        if (nr > 1) _mm_prefetch((const char *)pc + 64, _MM_HINT_NTA);
+        if (nr > 2) { _mm_prefetch((const char *)pc + 128, _MM_HINT_NTA); _mm_prefetch((const char *)pc + 192, _MM_HINT_NTA); }
+#pragma GCC unroll 4
+        for (int k = 0; k < nr; k++) wv[k] = _mm512_xor_si512(_mm512_loadu_si512(wr[k] + c), flip);
+#pragma GCC unroll 4
+        for (int t = 0; t < nt; t++) {
+            const __m512i xv = _mm512_loadu_si512(xq + (size_t)t * ldx + c);
+#pragma GCC unroll 4
+            for (int k = 0; k < nr; k++) acc[k][t] = _mm512_dpbusd_epi32(acc[k][t], wv[k], xv);
+        }
+    }
+    if (full < cols) {
+        const __mmask64 m = a512_mask64(cols - full);
+#pragma GCC unroll 4
+        for (int k = 0; k < nr; k++) wv[k] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(m, wr[k] + full), flip);
+#pragma GCC unroll 4
+        for (int t = 0; t < nt; t++) {
+            const __m512i xv = _mm512_maskz_loadu_epi8(m, xq + (size_t)t * ldx + full);
+#pragma GCC unroll 4
+            for (int k = 0; k < nr; k++) acc[k][t] = _mm512_dpbusd_epi32(acc[k][t], wv[k], xv);
+        }
+    }
+    if (nr == 4 && nt == 4) {
+        __m512i a[16];
+        for (int k = 0; k < 4; k++)
+            for (int t = 0; t < 4; t++) a[4 * k + t] = acc[k][t];   /* lane 4t+k <- a[4k+t] */
+        /* the exact sums, then (float)sum * wscale * xscale, four tokens of four rows */
+        __m512i sum = a512_reduce16_i32(a);
+        __m512i corr = _mm512_slli_epi32(_mm512_permutexvar_epi32(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
+                                                                  _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)xsum))), 7);
+        __m512 ws = _mm512_broadcast_f32x4(_mm_loadu_ps(w->scale + r));
+        __m512 xsv = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
+                                           _mm512_castps128_ps512(_mm_loadu_ps(xs)));
+        __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sum, corr)), ws), xsv);
+        a512_store4x4(v, y, ldy, r);
+        return;
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < nt; t++)
+#pragma GCC unroll 4
+        for (int k = 0; k < nr; k++) {
+            int32_t s = (int32_t)((uint32_t)_mm512_reduce_add_epi32(acc[k][t]) - ((uint32_t)xsum[t] << 7));
+            y[(size_t)t * ldy + r + k] = (float)s * w->scale[r + k] * xs[t];
+        }
+}
+
+GL_A512_INLINE void a512_tile_q8_nt(const gl_mat *w, int r, int nr, const int8_t *xq, const float *xs, const int32_t *xsum,
+                                    int ldx, int nt, float *y, int ldy, const int8_t *pf) {
+    switch (nt) {
+    case 4: a512_tile_q8(w, r, nr, xq, xs, xsum, ldx, 4, y, ldy, pf); break;
+    case 3: a512_tile_q8(w, r, nr, xq, xs, xsum, ldx, 3, y, ldy, pf); break;
+    case 2: a512_tile_q8(w, r, nr, xq, xs, xsum, ldx, 2, y, ldy, pf); break;
+    case 1: a512_tile_q8(w, r, nr, xq, xs, xsum, ldx, 1, y, ldy, pf); break;
+    }
+}
+
+GL_A512_INLINE void a512_panels_q8(const gl_mat *w, int nr, const int8_t *xq, const float *xs, const int32_t *xsum,
+                                   int n, int ldx, float *y, int ldy, int r, int r1) {
+    const size_t row_bytes = (size_t)w->cols;
+    for (; r + nr <= r1; r += nr) {
+        const int8_t *panel = (const int8_t *)w->data + (size_t)r * row_bytes;
+        const int8_t *pf = r + (GL_PF_PANELS + 1) * nr <= r1 ? panel + GL_PF_PANELS * (size_t)nr * row_bytes : panel;
+        for (int i = 0; i < n; i += A512_NT, pf = panel) {
+            int nt = n - i < A512_NT ? n - i : A512_NT;
+            a512_tile_q8_nt(w, r, nr, xq + (size_t)i * ldx, xs + i, xsum + i, ldx, nt, y + (size_t)i * ldy, ldy, pf);
+        }
+    }
+}
+
+static GL_A512 void a512_matmul_q8(const gl_mat *w, const int8_t *xq, const float *xscale, int n, int ldx,
+                                   float *y, int ldy, int r0, int r1) {
+    int32_t xsum[A512_XSUM_MAX];
+    int nb = gl_token_block(w->cols, 1);
+    if (nb > A512_XSUM_MAX) nb = A512_XSUM_MAX;
+    const int r = r0 + (r1 - r0) / A512_NR * A512_NR;
+    for (int i0 = 0; i0 < n; i0 += nb) {
+        const int ni = n - i0 < nb ? n - i0 : nb;
+        const int8_t *xb = xq + (size_t)i0 * ldx;
+        a512_xsums(xb, ni, ldx, w->cols, xsum);
+        a512_panels_q8(w, A512_NR, xb, xscale + i0, xsum, ni, ldx, y + (size_t)i0 * ldy, ldy, r0, r);
+        a512_panels_q8(w, 1, xb, xscale + i0, xsum, ni, ldx, y + (size_t)i0 * ldy, ldy, r, r1);
+    }
+}
+
+/* Same values as scalar_quantize_q8: max|x| is exact in any order, x*inv is
+ * one rounding, cvtps rounds to nearest even like lrintf, and the
+ * saturating narrowing then the max with -127 clamp as the scalar set. */
+static GL_A512 void a512_quantize_q8(const float *x, int n, int cols, int ldx, int8_t *q, int ldq, float *scale) {
+    const __m128i lo = _mm_set1_epi8(-127);
+    for (int i = 0; i < n; i++) {
+        const float *xr = x + (size_t)i * ldx;
+        int8_t *qr = q + (size_t)i * ldq;
+        __m512 m = _mm512_setzero_ps();
+        int c = 0;
+        for (; c + 16 <= cols; c += 16) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_loadu_ps(xr + c)));
+        if (c < cols) m = _mm512_max_ps(m, _mm512_abs_ps(_mm512_maskz_loadu_ps(a512_mask16(cols - c), xr + c)));
+        float amax = _mm512_reduce_max_ps(m);
+        float inv = amax > 0 ? 127.0f / amax : 0;
+        const __m512 vinv = _mm512_set1_ps(inv);
+        for (c = 0; c < cols; c += 16) {
+            __mmask16 k = cols - c >= 16 ? (__mmask16)0xffff : a512_mask16(cols - c);
+            __m512i v = _mm512_cvtps_epi32(_mm512_mul_ps(_mm512_maskz_loadu_ps(k, xr + c), vinv));
+            _mm_mask_storeu_epi8(qr + c, k, _mm_max_epi8(_mm512_cvtsepi32_epi8(v), lo));
+        }
+        scale[i] = amax / 127.0f;
+    }
+}
+
+/* Four 16-lane accumulators (c/16 mod 4), summed (a0+a1)+(a2+a3), then as
+ * a512_hsum; the tail is one zero-padded block. */
+static GL_A512 float a512_dot(const float *a, const float *b, int n) {
+    __m512 acc[4] = {_mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps(), _mm512_setzero_ps()};
+    int c = 0, k = 0;
+    for (; c + 64 <= n; c += 64)
+        for (int j = 0; j < 4; j++)
+            acc[j] = _mm512_fmadd_ps(_mm512_loadu_ps(a + c + 16 * j), _mm512_loadu_ps(b + c + 16 * j), acc[j]);
+    for (; c + 16 <= n; c += 16, k++) acc[k] = _mm512_fmadd_ps(_mm512_loadu_ps(a + c), _mm512_loadu_ps(b + c), acc[k]);
+    if (c < n) {
+        __mmask16 m = a512_mask16(n - c);
+        acc[k] = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, a + c), _mm512_maskz_loadu_ps(m, b + c), acc[k]);
+    }
+    return a512_hsum(_mm512_add_ps(_mm512_add_ps(acc[0], acc[1]), _mm512_add_ps(acc[2], acc[3])));
+}
+
+/* Elementwise y = fma(a, x, y): the same bits at any vector width. */
+static GL_A512 void a512_axpy(float *y, const float *x, float a, int n) {
+    const __m512 va = _mm512_set1_ps(a);
+    int c = 0;
+    for (; c + 16 <= n; c += 16) _mm512_storeu_ps(y + c, _mm512_fmadd_ps(va, _mm512_loadu_ps(x + c), _mm512_loadu_ps(y + c)));
+    if (c < n) {
+        __mmask16 m = a512_mask16(n - c);
+        _mm512_mask_storeu_ps(y + c, m, _mm512_fmadd_ps(va, _mm512_maskz_loadu_ps(m, x + c), _mm512_maskz_loadu_ps(m, y + c)));
+    }
+}
+
+/* m fused axpys over 64 columns at a time, y held in 4 registers */
+static GL_A512 void a512_axpy_rows(float *y, const float *x, int ldx, const float *a, int m, int n) {
+    int c = 0;
+    for (; c + 64 <= n; c += 64) {
+        __m512 y0 = _mm512_loadu_ps(y + c), y1 = _mm512_loadu_ps(y + c + 16);
+        __m512 y2 = _mm512_loadu_ps(y + c + 32), y3 = _mm512_loadu_ps(y + c + 48);
+        for (int j = 0; j < m; j++) {
+            const float *xr = x + (size_t)j * ldx + c;
+            const __m512 va = _mm512_set1_ps(a[j]);
+            y0 = _mm512_fmadd_ps(va, _mm512_loadu_ps(xr), y0);
+            y1 = _mm512_fmadd_ps(va, _mm512_loadu_ps(xr + 16), y1);
+            y2 = _mm512_fmadd_ps(va, _mm512_loadu_ps(xr + 32), y2);
+            y3 = _mm512_fmadd_ps(va, _mm512_loadu_ps(xr + 48), y3);
+        }
+        _mm512_storeu_ps(y + c, y0); _mm512_storeu_ps(y + c + 16, y1);
+        _mm512_storeu_ps(y + c + 32, y2); _mm512_storeu_ps(y + c + 48, y3);
+    }
+    for (; c < n; c += 16) {
+        __mmask16 k = n - c >= 16 ? (__mmask16)0xffff : a512_mask16(n - c);
+        __m512 y0 = _mm512_maskz_loadu_ps(k, y + c);
+        for (int j = 0; j < m; j++) y0 = _mm512_fmadd_ps(_mm512_set1_ps(a[j]), _mm512_maskz_loadu_ps(k, x + (size_t)j * ldx + c), y0);
+        _mm512_mask_storeu_ps(y + c, k, y0);
+    }
+}
+
+/* Four outputs (heads) at a time over 32 columns: each x vector loaded
+ * serves four heads.  Every element is y = fma(a_j, x_j, y) for j in order,
+ * as a512_axpy_rows. */
+static GL_A512 void a512_axpy_rows_n(float *y, int ldy, const float *x, int ldx, const float *a, int lda,
+                                     int nh, int m, int n) {
+    int h = 0;
+    for (; h + 4 <= nh; h += 4) {
+        float *y0 = y + (size_t)h * ldy, *y1 = y0 + ldy, *y2 = y1 + ldy, *y3 = y2 + ldy;
+        const float *a0 = a + (size_t)h * lda, *a1 = a0 + lda, *a2 = a1 + lda, *a3 = a2 + lda;
+        int c = 0;
+        for (; c + 32 <= n; c += 32) {
+            __m512 s00 = _mm512_loadu_ps(y0 + c), s01 = _mm512_loadu_ps(y0 + c + 16);
+            __m512 s10 = _mm512_loadu_ps(y1 + c), s11 = _mm512_loadu_ps(y1 + c + 16);
+            __m512 s20 = _mm512_loadu_ps(y2 + c), s21 = _mm512_loadu_ps(y2 + c + 16);
+            __m512 s30 = _mm512_loadu_ps(y3 + c), s31 = _mm512_loadu_ps(y3 + c + 16);
+            for (int j = 0; j < m; j++) {
+                const float *xr = x + (size_t)j * ldx + c;
+                const __m512 x0 = _mm512_loadu_ps(xr), x1 = _mm512_loadu_ps(xr + 16);
+                __m512 v = _mm512_set1_ps(a0[j]);
+                s00 = _mm512_fmadd_ps(v, x0, s00); s01 = _mm512_fmadd_ps(v, x1, s01);
+                v = _mm512_set1_ps(a1[j]);
+                s10 = _mm512_fmadd_ps(v, x0, s10); s11 = _mm512_fmadd_ps(v, x1, s11);
+                v = _mm512_set1_ps(a2[j]);
+                s20 = _mm512_fmadd_ps(v, x0, s20); s21 = _mm512_fmadd_ps(v, x1, s21);
+                v = _mm512_set1_ps(a3[j]);
+                s30 = _mm512_fmadd_ps(v, x0, s30); s31 = _mm512_fmadd_ps(v, x1, s31);
+            }
+            _mm512_storeu_ps(y0 + c, s00); _mm512_storeu_ps(y0 + c + 16, s01);
+            _mm512_storeu_ps(y1 + c, s10); _mm512_storeu_ps(y1 + c + 16, s11);
+            _mm512_storeu_ps(y2 + c, s20); _mm512_storeu_ps(y2 + c + 16, s21);
+            _mm512_storeu_ps(y3 + c, s30); _mm512_storeu_ps(y3 + c + 16, s31);
+        }
+        if (c < n)   /* the last columns, a head at a time */
+            for (int k = 0; k < 4; k++)
+                a512_axpy_rows(y + (size_t)(h + k) * ldy + c, x + c, ldx, a + (size_t)(h + k) * lda, m, n - c);
+    }
+    for (; h < nh; h++) a512_axpy_rows(y + (size_t)h * ldy, x, ldx, a + (size_t)h * lda, m, n);
+}
+
+/* e^x on 16 lanes: avx2_exp's steps, op for op (so each value has the same
+ * bits as in the AVX2 set). */
+GL_A512_INLINE __m512 a512_exp(__m512 x) {
+    const __mmask16 under = _mm512_cmp_ps_mask(x, _mm512_set1_ps(GL_EXP_LO), _CMP_LT_OQ);
+    x = _mm512_max_ps(_mm512_min_ps(x, _mm512_set1_ps(GL_EXP_HI)), _mm512_set1_ps(GL_EXP_LO));
+    const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(GL_EXP_LOG2E)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(GL_EXP_LN2_HI), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(GL_EXP_LN2_LO), r);
+    __m512 p = _mm512_set1_ps(GL_EXP_C7);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(GL_EXP_C6));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(GL_EXP_C5));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(GL_EXP_C4));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(GL_EXP_C3));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(GL_EXP_C2));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.0f));
+    const __m512i e = _mm512_slli_epi32(_mm512_add_epi32(_mm512_cvtps_epi32(n), _mm512_set1_epi32(127)), 23);
+    return _mm512_maskz_mul_ps((__mmask16)~under, p, _mm512_castsi512_ps(e));
+}
+
+/* The exponentials summed in 16 lanes (added as a512_hsum); the tail is
+ * masked (its lanes add 0). */
+static GL_A512 float a512_exp_sum(float *x, int n, float scale, float shift) {
+    const __m512 vm = _mm512_set1_ps(shift), vs = _mm512_set1_ps(scale);
+    __m512 sum = _mm512_setzero_ps();
+    for (int c = 0; c < n; c += 16) {
+        __mmask16 k = n - c >= 16 ? (__mmask16)0xffff : a512_mask16(n - c);
+        __m512 v = a512_exp(_mm512_mul_ps(vs, _mm512_sub_ps(_mm512_maskz_loadu_ps(k, x + c), vm)));
+        v = _mm512_maskz_mov_ps(k, v);
+        _mm512_mask_storeu_ps(x + c, k, v);
+        sum = _mm512_add_ps(sum, v);
+    }
+    return a512_hsum(sum);
+}
+
+GL_A512_INLINE __m512 a512_silu_mul16(__m512 a, __m512 b) {
+    const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.0f), a512_exp(_mm512_sub_ps(_mm512_setzero_ps(), a)));
+    return _mm512_mul_ps(_mm512_div_ps(a, d), b);
+}
+
+static GL_A512 void a512_silu_mul(float *a, const float *b, int n) {
+    for (int c = 0; c < n; c += 16) {
+        __mmask16 k = n - c >= 16 ? (__mmask16)0xffff : a512_mask16(n - c);
+        _mm512_mask_storeu_ps(a + c, k, a512_silu_mul16(_mm512_maskz_loadu_ps(k, a + c), _mm512_maskz_loadu_ps(k, b + c)));
+    }
+}
+
+static const gl_kernels gl_avx512_kernels = {
+    "avx512", a512_matmul, a512_matmul_q8, a512_quantize_q8, a512_dot, a512_axpy, a512_axpy_rows, a512_axpy_rows_n,
+    a512_exp_sum, a512_silu_mul,
+};
+
+/* ---- opt-in: native BF16 dot products (AVX512_BF16) ----
+ * "avx512_bf16": the avx512 set, except that bf16 weights are multiplied by
+ * vdpbf16ps with the activations rounded to bf16 (nearest even) -- twice
+ * the fp32 FMA rate, but each activation loses its low 16 bits, an error
+ * of up to 2^-9 relative per product (test_kernels measures it against
+ * the exact sum).  Never chosen by gl_kernels_get: an engine asks for it
+ * by name.  Order: lane l of a 16-wide accumulator takes the column pairs
+ * (32s + 2l, 32s + 2l + 1) in increasing s; the tail is zero-padded; the
+ * lanes are summed as a512_hsum. */
+#define GL_A512BF_TARGET GL_A512_TARGET ",avx512bf16"
+#define GL_A512BF __attribute__((target(GL_A512BF_TARGET)))
+#define GL_A512BF_INLINE static inline __attribute__((always_inline, target(GL_A512BF_TARGET)))
+
+/* 32 fp32 activations (the first m of them) as bf16 pairs */
+GL_A512BF_INLINE __m512bh a512bf_x(const float *x, int m) {
+    __m512 lo, hi;
+    if (m >= 32) { lo = _mm512_loadu_ps(x); hi = _mm512_loadu_ps(x + 16); }
+    else {
+        lo = _mm512_maskz_loadu_ps(a512_mask16(m < 16 ? m : 16), x);
+        hi = _mm512_maskz_loadu_ps(a512_mask16(m > 16 ? m - 16 : 0), x + 16);
+    }
+    return _mm512_cvtne2ps_pbh(hi, lo);
+}
+
+GL_A512BF_INLINE void a512bf_tile(const gl_mat *w, int r, int nr, const float *x, int ldx, int nt,
+                                  float *y, int ldy, const uint8_t *pf) {
+    const int cols = w->cols, full = cols & ~31;
+    const uint16_t *wr[A512_NR];
+    __m512 acc[A512_NR][A512_NT];
+    __m512bh wv[A512_NR];
+#pragma GCC unroll 4
+    for (int k = 0; k < nr; k++) {
+        wr[k] = (const uint16_t *)w->data + (size_t)(r + k) * (size_t)cols;
+#pragma GCC unroll 4
+        for (int t = 0; t < nt; t++) acc[k][t] = _mm512_setzero_ps();
+    }
+    for (int c = 0; c < full; c += 32) {
+        const uint8_t *pc = pf + (size_t)c * (size_t)nr * 2;
+        _mm_prefetch((const char *)pc, _MM_HINT_NTA);
+        if (nr > 1) _mm_prefetch((const char *)pc + 64, _MM_HINT_NTA);
+        if (nr > 2) { _mm_prefetch((const char *)pc + 128, _MM_HINT_NTA); _mm_prefetch((const char *)pc + 192, _MM_HINT_NTA); }
+#pragma GCC unroll 4
+        for (int k = 0; k < nr; k++) wv[k] = (__m512bh)_mm512_loadu_si512(wr[k] + c);
+#pragma GCC unroll 4
+        for (int t = 0; t < nt; t++) {
+            const __m512bh xv = a512bf_x(x + (size_t)t * ldx + c, 32);
+#pragma GCC unroll 4
+            for (int k = 0; k < nr; k++) acc[k][t] = _mm512_dpbf16_ps(acc[k][t], wv[k], xv);
+        }
+    }
+    if (full < cols) {
+        const __mmask32 m = (__mmask32)((1ull << (cols - full)) - 1);
+#pragma GCC unroll 4
+        for (int k = 0; k < nr; k++) wv[k] = (__m512bh)_mm512_maskz_loadu_epi16(m, wr[k] + full);
+#pragma GCC unroll 4
+        for (int t = 0; t < nt; t++) {
+            const __m512bh xv = a512bf_x(x + (size_t)t * ldx + full, cols - full);
+#pragma GCC unroll 4
+            for (int k = 0; k < nr; k++) acc[k][t] = _mm512_dpbf16_ps(acc[k][t], wv[k], xv);
+        }
+    }
+    if (nr == 4 && nt == 4) {
+        __m512 a[16];
+        for (int k = 0; k < 4; k++)
+            for (int t = 0; t < 4; t++) a[4 * k + t] = acc[k][t];
+        a512_store4x4(a512_reduce16(a), y, ldy, r);
+        return;
+    }
+#pragma GCC unroll 4
+    for (int t = 0; t < nt; t++)
+#pragma GCC unroll 4
+        for (int k = 0; k < nr; k++) y[(size_t)t * ldy + r + k] = a512_hsum(acc[k][t]);
+}
+
+GL_A512BF_INLINE void a512bf_panels(const gl_mat *w, int nr, const float *x, int n, int ldx, float *y, int ldy, int r, int r1) {
+    const size_t row_bytes = (size_t)w->cols * 2;
+    for (; r + nr <= r1; r += nr) {
+        const uint8_t *panel = (const uint8_t *)w->data + (size_t)r * row_bytes;
+        const uint8_t *pf = r + (GL_PF_PANELS + 1) * nr <= r1 ? panel + GL_PF_PANELS * (size_t)nr * row_bytes : panel;
+        for (int i = 0; i < n; i += A512_NT, pf = panel) {
+            int nt = n - i < A512_NT ? n - i : A512_NT;
+            const float *xi = x + (size_t)i * ldx;
+            float *yi = y + (size_t)i * ldy;
+            switch (nt) {
+            case 4: a512bf_tile(w, r, nr, xi, ldx, 4, yi, ldy, pf); break;
+            case 3: a512bf_tile(w, r, nr, xi, ldx, 3, yi, ldy, pf); break;
+            case 2: a512bf_tile(w, r, nr, xi, ldx, 2, yi, ldy, pf); break;
+            case 1: a512bf_tile(w, r, nr, xi, ldx, 1, yi, ldy, pf); break;
+            }
+        }
+    }
+}
+
+static GL_A512BF void a512bf_matmul_bf16(const gl_mat *w, const float *x, int n, int ldx, float *y, int ldy, int r0, int r1) {
+    const int nb = gl_token_block(w->cols, 4), r = r0 + (r1 - r0) / A512_NR * A512_NR;
+    for (int i0 = 0; i0 < n; i0 += nb) {
+        const int ni = n - i0 < nb ? n - i0 : nb;
+        a512bf_panels(w, A512_NR, x + (size_t)i0 * ldx, ni, ldx, y + (size_t)i0 * ldy, ldy, r0, r);
+        a512bf_panels(w, 1, x + (size_t)i0 * ldx, ni, ldx, y + (size_t)i0 * ldy, ldy, r, r1);
+    }
+}
+
+static void a512bf_matmul(const gl_mat *w, const float *x, int n, int ldx, float *y, int ldy, int r0, int r1) {
+    if (w->type == GL_BF16) a512bf_matmul_bf16(w, x, n, ldx, y, ldy, r0, r1);
+    else a512_matmul(w, x, n, ldx, y, ldy, r0, r1);
+}
+
+static const gl_kernels gl_avx512_bf16_kernels = {
+    "avx512_bf16", a512bf_matmul, a512_matmul_q8, a512_quantize_q8, a512_dot, a512_axpy, a512_axpy_rows,
+    a512_axpy_rows_n, a512_exp_sum, a512_silu_mul,
+};
