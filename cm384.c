@@ -7538,6 +7538,9 @@ int cm384_engine_create(const cm384_model *m, const cm384_config *cfg, cm384_eng
     int r = config_resolve(&c, hp, preset);
     if (r) return r;
 
+    const gl_kernels *kset = c.kernels ? gl_kernels_by_name(c.kernels) : gl_kernels_get();
+    if (!kset) return fail(CM384_E_INVALID, "kernel set \"%s\" is unknown or needs instructions this CPU lacks", c.kernels);
+
     cm384_engine *e = CM384_CALLOC(1, sizeof *e);
     if (!e) return fail(CM384_E_NOMEM, "out of memory");
     e->m = m;
@@ -7548,7 +7551,8 @@ int cm384_engine_create(const cm384_model *m, const cm384_config *cfg, cm384_eng
     pthread_mutex_init(&e->mu, NULL);
     pthread_cond_init(&e->cv_work, NULL);
     pthread_cond_init(&e->cv_done, NULL);
-    e->k = gl_kernels_get();
+    e->k = kset;
+    e->cfg.kernels = NULL;
     e->core_slack = CORE_SLACK;
     e->n_workers = c.n_workers;
     e->max_ctx = c.max_ctx;

@@ -380,6 +380,12 @@ typedef struct cm384_config {
                                       preset has redundant slots (paper; default
                                       with >= 16 experts); 0 = 32, -1 = never (the
                                       first, even placement stays)                   */
+    const char  *kernels;          /* kernel set by name (NULL = the best this CPU
+                                      runs, exact); "avx512_bf16": bf16 weights
+                                      times activations rounded to bf16 (AVX512_BF16
+                                      vdpbf16ps) -- an approximation, up to ~2^-9
+                                      relative per product.  CM384_E_INVALID if
+                                      this CPU cannot run the set                    */
 } cm384_config;
 
 CM384_API void cm384_config_init(cm384_config *c);
