@@ -5,6 +5,7 @@
 #   make test       every test: unit, golden, engine, ASan+UBSan, TSan, valgrind
 #   make bench      this machine's limits, then cm384 against them
 #   make fuzz       the fuzz harnesses (build/fuzz/fuzz_NAME; tests/fuzz/README.md)
+#   make peer       build llama.cpp beside the repository, for make bench
 #   make install    PREFIX=/usr/local DESTDIR=
 #   make amalgamation  dist/cm384.c (kernels inlined) + dist/cm384.h
 #
@@ -142,6 +143,13 @@ bench: all $(B)/gen_synth $(B)/bench_kernels
 $(B)/bench_kernels: tests/bench_kernels.c $(SRC) | $(B)
 	$(CC) $(CFLAGS) -O3 tests/bench_kernels.c -o $@ $(LDLIBS)
 
+# llama.cpp as a test peer (from the npm package node-llama-cpp), built with
+# native flags outside the repository: PEER_DIR (default ../peer beside the
+# main checkout); `make bench` then runs llama-bench beside cm384 with
+# LLAMA_BENCH=$(PEER_DIR)/bin/llama-bench
+peer:
+	sh tests/peer/build-llama.sh $(PEER_DIR)
+
 # ---- install ----
 install: $(B)/libcm384.a $(B)/cm384
 	install -d $(DESTDIR)$(PREFIX)/lib $(DESTDIR)$(PREFIX)/include $(DESTDIR)$(PREFIX)/bin $(DESTDIR)$(PREFIX)/lib/pkgconfig
@@ -157,4 +165,4 @@ uninstall:
 clean:
 	rm -rf $(B) $(DIST)
 
-.PHONY: all run test test-bins fuzz bench install uninstall clean amalgamation
+.PHONY: all run test test-bins fuzz bench peer install uninstall clean amalgamation

@@ -101,23 +101,32 @@ done
 echo "(prefill GOP/s = 2 x active parameters but the head x tok/s; GB/s = active weight bytes read per token x tok/s;"
 echo " %peak against the FP32 peak for bf16 and the INT8 peak for int8; tok/s/TF = decode tok/s per TFLOPS of that peak)"
 
-# llama.cpp on the same machine, when given: LLAMA_BENCH=path/to/llama-bench and
-# LLAMA_GGUF_DIR holding <model>-q8_0.gguf (converted from build/models/<model>)
+# llama.cpp on the same machine: LLAMA_BENCH=path/to/llama-bench and
+# LLAMA_GGUF_DIR holding <model>-q8_0.gguf and <model>-bf16.gguf (converted
+# from build/models/<model>); by default the peer `make peer` builds beside
+# the main checkout and the files tests/peer/gguf.sh writes there
+PEER=${PEER_DIR:-$(git rev-parse --path-format=absolute --git-common-dir 2>/dev/null | sed 's|/\.git$||')/../peer}
+[ -z "$LLAMA_BENCH" ] && [ -x "$PEER/bin/llama-bench" ] && LLAMA_BENCH=$PEER/bin/llama-bench
+LLAMA_GGUF_DIR=${LLAMA_GGUF_DIR:-$PEER/gguf}
 if [ -n "$LLAMA_BENCH" ] && [ -x "$LLAMA_BENCH" ]; then
     echo
-    echo "== 3b. llama.cpp on this machine (llama-bench, Q8_0, $T threads) against cm384 INT8"
-    printf '%-9s | %12s %12s %7s | %12s %12s %7s\n' model "llama pp512" "cm384 pp512" ratio "llama tg128" "cm384 tg128" ratio
+    echo "== 3b. llama.cpp on this machine (llama-bench, $T threads) against cm384 on the same weights"
+    printf '%-9s %-5s | %12s %12s %7s | %12s %12s %7s\n' model dtype "llama pp512" "cm384 pp512" ratio "llama tg128" "cm384 tg128" ratio
     for name in $MODELS; do
-        g="$LLAMA_GGUF_DIR/$name-q8_0.gguf"
-        [ -f "$g" ] || continue
-        out=$("$LLAMA_BENCH" -m "$g" -p 512 -n 128 -t "$T" -r "$RUNS" -o csv 2>/dev/null)
-        lpp=$(echo "$out" | grep '"512","0"' | awk -F'","' '{print $(NF-1)}' | head -n 1)
-        ltg=$(echo "$out" | grep '"0","128"' | awk -F'","' '{print $(NF-1)}' | head -n 1)
-        cpp=$(bench_median "prefill_tok_s" -m "$M/$name" -p 512 -n 1 --requests 1 -t "$T" --int8)
-        ctg=$(bench_median "decode_tok_s" -m "$M/$name" -p 1 -n 128 --requests 1 -t "$T" --int8)
-        printf '%-9s | %12.1f %12.1f %7s | %12.1f %12.1f %7s\n' "$name" "$lpp" $cpp "$(ratio $cpp "$lpp")" "$ltg" $ctg "$(ratio $ctg "$ltg")"
+        for q in q8_0 bf16; do
+            g="$LLAMA_GGUF_DIR/$name-$q.gguf"
+            [ -f "$g" ] || continue
+            flag=""; [ "$q" = q8_0 ] && flag="--int8"
+            out=$("$LLAMA_BENCH" -m "$g" -p 512 -n 128 -t "$T" -r "$RUNS" -o csv 2>/dev/null)
+            lpp=$(echo "$out" | grep '"512","0"' | awk -F'","' '{print $(NF-1)}' | head -n 1)
+            ltg=$(echo "$out" | grep '"0","128"' | awk -F'","' '{print $(NF-1)}' | head -n 1)
+            cpp=$(bench_median "prefill_tok_s" -m "$M/$name" -p 512 -n 1 --requests 1 -t "$T" $flag)
+            ctg=$(bench_median "decode_tok_s" -m "$M/$name" -p 1 -n 128 --requests 1 -t "$T" $flag)
+            printf '%-9s %-5s | %12.1f %12.1f %7s | %12.1f %12.1f %7s\n' "$name" "$q" "$lpp" $cpp "$(ratio $cpp "$lpp")" "$ltg" $ctg "$(ratio $ctg "$ltg")"
+        done
     done
-    echo "(tg128 and cm384's decode here start from an empty context, as llama-bench does)"
+    echo "(q8_0: llama.cpp Q8_0 against cm384 INT8 W8A8; bf16 against bf16.  tg128 and cm384's decode here"
+    echo " start from an empty context, as llama-bench does; both sides warm up first)"
 fi
 
 fi

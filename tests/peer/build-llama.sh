@@ -1,0 +1,84 @@
+#!/bin/sh
+# build-llama.sh -- build llama.cpp as a test peer, outside the repository.
+#
+#   sh tests/peer/build-llama.sh [PEER_DIR]        (or: make peer)
+#
+# The source is the llama.cpp that the npm package node-llama-cpp ships as a
+# git bundle (NODE_LLAMA_CPP_VERSION, default 3.22.1), with the patches the
+# package itself applies.  It is built with native CPU flags (Release, CPU
+# only, static) into PEER_DIR (default: ../peer beside the main checkout,
+# i.e. /work/peer for /work/main and its worktrees), nothing inside it:
+#
+#   PEER_DIR/llama.cpp/          the source (convert_hf_to_gguf.py, gguf-py)
+#   PEER_DIR/llama.cpp/build/    the build
+#   PEER_DIR/bin/                llama-bench, llama-quantize, llama-cli, ...
+#   PEER_DIR/READY               written last: version, commit, flags, CPU
+#
+# `make bench` then runs llama-bench beside cm384:
+#   LLAMA_BENCH=PEER_DIR/bin/llama-bench LLAMA_GGUF_DIR=dir make bench
+# Re-running is cheap: the download, clone and configure are skipped when
+# present, and the build is incremental.  Needs npm, git, cmake, a C++ compiler.
+set -e
+here=$(cd "$(dirname "$0")/../.." && pwd)
+# beside the main checkout, also when run from a git worktree of it
+main=$(cd "$here" && git rev-parse --path-format=absolute --git-common-dir 2>/dev/null | sed 's|/\.git$||')
+[ -d "$main" ] || main=$here
+PEER=${1:-${PEER_DIR:-$main/../peer}}
+VERSION=${NODE_LLAMA_CPP_VERSION:-3.22.1}
+JOBS=${JOBS:-$(nproc 2>/dev/null || echo 2)}
+TARGETS=${LLAMA_TARGETS:-"llama-bench llama-quantize llama-cli llama-completion llama-perplexity llama-tokenize llama-simple llama-eval-callback llama-gguf"}
+mkdir -p "$PEER"
+PEER=$(cd "$PEER" && pwd)
+case "$PEER/" in "$here"/*) echo "build-llama.sh: $PEER is inside the repository; give a directory outside it" >&2; exit 2 ;; esac
+rm -f "$PEER/READY"
+
+# 1. the package (npm's own client, from the registry)
+pkg=$PEER/pkg
+if [ ! -f "$pkg/package/llama/gitRelease.bundle" ]; then
+    mkdir -p "$pkg"
+    (cd "$pkg" && npm pack "node-llama-cpp@$VERSION" >/dev/null 2>&1 && tar xzf "node-llama-cpp-$VERSION.tgz")
+fi
+
+# 2. the source, cloned from the bundle, with the package's patches
+src=$PEER/llama.cpp
+if [ ! -d "$src/.git" ]; then
+    git clone -q "$pkg/package/llama/gitRelease.bundle" "$src"
+    for p in "$pkg"/package/llama/patches/*.diff; do
+        [ -f "$p" ] || continue
+        if git -C "$src" apply --check "$p" 2>/dev/null; then
+            git -C "$src" apply "$p" && echo "applied $(basename "$p")"
+        else
+            echo "skipped $(basename "$p") (already in the source or does not apply)"
+        fi
+    done
+fi
+
+# 3. configure and build: CPU backend, native flags
+bld=$src/build
+if [ ! -f "$bld/CMakeCache.txt" ]; then
+    cmake -S "$src" -B "$bld" -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON -DBUILD_SHARED_LIBS=OFF \
+        -DLLAMA_CURL=OFF -DLLAMA_OPENSSL=OFF -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_SERVER=OFF \
+        -DLLAMA_BUILD_UI=OFF -DLLAMA_USE_PREBUILT_UI=OFF >"$PEER/configure.log" 2>&1 ||
+        { tail -30 "$PEER/configure.log"; exit 1; }
+fi
+built=""
+for t in $TARGETS; do
+    if cmake --build "$bld" --config Release -j "$JOBS" --target "$t" >>"$PEER/build.log" 2>&1; then
+        built="$built $t"
+    else
+        echo "build-llama.sh: target $t did not build (see $PEER/build.log)" >&2
+    fi
+done
+case " $built " in *" llama-bench "*) ;; *) tail -30 "$PEER/build.log"; exit 1 ;; esac
+mkdir -p "$PEER/bin"
+for t in $built; do ln -sf "$bld/bin/$t" "$PEER/bin/$t"; done
+
+{
+    echo "llama.cpp from node-llama-cpp $VERSION"
+    echo "commit $(git -C "$src" rev-parse HEAD)"
+    echo "built $(date -u +%Y-%m-%dT%H:%M:%SZ) on $(uname -m), $(grep -m1 'model name' /proc/cpuinfo 2>/dev/null | sed 's/.*: //')"
+    echo "flags GGML_NATIVE=ON Release, CPU backend only, static"
+    echo "binaries $PEER/bin:$built"
+    echo "source $src (convert_hf_to_gguf.py, gguf-py)"
+} >"$PEER/READY"
+cat "$PEER/READY"
