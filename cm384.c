@@ -4511,6 +4511,7 @@ struct cm384_engine {
     double           *eplb_ld;               /* EPLB scratch, made with the topology */
     struct eplb_item *eplb_items;
     int              *eplb_used, *eplb_old;
+    uint64_t          weight_bytes[2];       /* weight bytes streamed per phase (stats) */
     _Atomic uint64_t  dispatch_bytes, dispatch_bytes_bf16, combine_bytes, combine_bytes_bf16, n_messages;
     uint64_t          kv_handoff_bytes;
     int              *dbg_route;             /* tests: [layers][max_ctx][K] experts */
@@ -4703,6 +4704,7 @@ static void op_mmq(op *o, region *rg, const gl_mat *w, const float *x, const int
     mm_job *jb = op_job(o);
     jb->w = w; jb->x = x; jb->xq = xq; jb->xs = xs; jb->ldx = ldx; jb->y = y; jb->ldy = ldy; jb->n = n;
     region_add_mm(rg, o->e->n_workers, jb, device);
+    o->e->weight_bytes[o->mb->phase == PHASE_DECODE] += (uint64_t)w->rows * (uint64_t)w->cols * gl_type_size(w->type);
 }
 
 /* y = W x over every device group's rows (x, xq, xs, y point at row 0).
@@ -7075,6 +7077,8 @@ int cm384_get_stats(cm384_engine *e, cm384_stats *out) {
     st.kv_blocks_cached = (uint64_t)e->n_cached;
     st.decode_batch_cap = S->decode_cap;
     st.slo_infeasible = S->slo.infeasible;
+    st.prefill_weight_bytes = e->weight_bytes[0];
+    st.decode_weight_bytes = e->weight_bytes[1];
     /* decode rows on the routed-expert devices, layer by layer: a layer's
        dispatch waits for its busiest device */
     double sum_max = 0, sum_mean = 0;
@@ -7185,6 +7189,7 @@ void cm384_reset_stats(cm384_engine *e) {
     memset(e->busy, 0, (size_t)e->n_workers * e->n_dev * sizeof(uint64_t));
     memset(e->dev_rows, 0, 2 * (size_t)e->n_dev * sizeof(uint64_t));
     memset(e->dev_rows_layer, 0, (size_t)(e->m->hp.n_layers + e->m->hp.n_mtp) * e->n_dev * sizeof(uint64_t));
+    e->weight_bytes[0] = e->weight_bytes[1] = 0;
     size_t n_load = (size_t)(e->m->hp.n_layers + e->m->hp.n_mtp) * (size_t)(e->m->hp.n_routed > 0 ? e->m->hp.n_routed : 1);
     memset(e->expert_load, 0, 2 * n_load * sizeof(uint64_t));
     memset(S->load_mark, 0, n_load * sizeof(uint64_t));

@@ -560,6 +560,11 @@ typedef struct cm384_stats {
     uint64_t mem_total_bytes;         /* weights + KV + scratch                   */
     uint64_t mem_physical_bytes;      /* this machine's physical memory (0:
                                          unknown)                                 */
+    /* weights streamed: bytes of every matrix the steps' products read, each
+       product counting its matrix once (a decode step over a batch reads each
+       distinct expert it routes to once): with the machine's read bandwidth,
+       the ceiling a phase's speed is held to */
+    uint64_t prefill_weight_bytes, decode_weight_bytes;
 } cm384_stats;
 
 CM384_API int  cm384_get_stats(cm384_engine *e, cm384_stats *out);

@@ -748,7 +748,8 @@ static int cmd_bench(const opts *o) {
                "\"ttft_p50_ms\":%.2f,\"ttft_p99_ms\":%.2f,\"tpot_p50_ms\":%.3f,\"tpot_p99_ms\":%.3f,"
                "\"cache_hit_ratio\":%.4f,\"dispatch_bytes\":%llu,\"dispatch_bytes_bf16\":%llu,"
                "\"combine_bytes\":%llu,\"preempted\":%llu,\"mtp_drafted\":%llu,\"mtp_accepted\":%llu,"
-               "\"mem_weight_bytes\":%llu,\"mem_kv_bytes\":%llu,\"mem_scratch_bytes\":%llu,\"mem_total_bytes\":%llu}\n",
+               "\"mem_weight_bytes\":%llu,\"mem_kv_bytes\":%llu,\"mem_scratch_bytes\":%llu,\"mem_total_bytes\":%llu,"
+               "\"tokens_decoded\":%llu,\"decode_seconds\":%.4f,\"decode_weight_bytes\":%llu,\"decode_steps_weight_gbs\":%.2f}\n",
                o->model, P, N, R, C, st.n_workers, o->preset ? o->preset : "default", o->int8,
                st.dispatch_bytes < st.dispatch_bytes_bf16,   /* INT8 dispatch was in effect: fewer bytes than bf16 */ o->shared_prefix, t_load, wall, out_tok_s,
                st.prefill_tok_per_s, st.decode_tok_per_s, st.ttft_p50_ms, st.ttft_p99_ms, st.tpot_p50_ms,
@@ -757,7 +758,9 @@ static int cmd_bench(const opts *o) {
                (unsigned long long)st.requests_preempted, (unsigned long long)st.mtp_drafted,
                (unsigned long long)st.mtp_accepted, (unsigned long long)st.mem_weight_bytes,
                (unsigned long long)st.mem_kv_bytes, (unsigned long long)st.mem_scratch_bytes,
-               (unsigned long long)st.mem_total_bytes);
+               (unsigned long long)st.mem_total_bytes, (unsigned long long)st.tokens_decoded, st.decode_seconds,
+               (unsigned long long)st.decode_weight_bytes,
+               st.decode_seconds > 0 ? (double)st.decode_weight_bytes / st.decode_seconds / 1e9 : 0.0);
     } else if (!status) {
         printf("workload: %d requests x (%d prompt + %d generated) tokens, %d in flight, shared prefix %.0f%%, %d tenant%s\n",
                R, P, N, C, 100 * o->shared_prefix, T, T > 1 ? "s" : "");

@@ -84,22 +84,27 @@ $o"
 if want 3; then
 echo
 echo "== 3. models: prefill 512 tokens, decode 128 tokens (1 stream), decode 16 streams; medians of $RUNS"
-printf '%-9s %-5s | %9s %8s %7s | %9s %8s %7s %9s | %9s %7s\n' model dtype "prefill" "GOP/s" "%peak" \
-    "decode" "GB/s" "%bw" "tok/s/TF" "16 strm" "x 1-st"
+printf '%-9s %-5s | %9s %8s %7s | %9s %8s %7s %9s | %9s %7s %9s %6s\n' model dtype "prefill" "GOP/s" "%peak" \
+    "decode" "GB/s" "%bw" "tok/s/TF" "16 strm" "x 1-st" "ceiling" "%ceil"
 for name in $MODELS; do
     for q in bf16 int8; do
         flag=""; peak=$FP
         [ "$q" = int8 ] && flag="--int8" && peak=$I8
         set -- $(bench_median "prefill_tok_s prefill_gops decode_tok_s decode_weight_gbs" -m "$M/$name" -p 512 -n 128 --requests 1 -t "$T" $flag)
         pf=$1; gops=$2; dec=$3; gbs=$4
-        n16=$(bench_median "decode_tok_s" -m "$M/$name" -p 64 -n 64 --requests 16 --concurrency 16 -t "$T" $flag)
+        set -- $(bench_median "decode_tok_s decode_steps_weight_gbs" -m "$M/$name" -p 64 -n 64 --requests 16 --concurrency 16 -t "$T" $flag)
+        n16=$1; g16=$2
+        # the ceiling: the steps' own weight bytes (each distinct expert once) at the read bandwidth
+        ceil=$(awk -v n="$n16" -v g="$g16" -v b="$BW" 'BEGIN { if (g > 0) printf "%.1f", n * b / g; else print 0 }')
         tf=$(awk -v d="$dec" -v p="$peak" 'BEGIN { printf "%.1f", d / (p / 1000) }')
-        printf '%-9s %-5s | %9.1f %8.1f %7s | %9.1f %8.2f %7s %9s | %9.1f %7s\n' "$name" "$q" "$pf" "$gops" "$(pct "$gops" "$peak")" \
-            "$dec" "$gbs" "$(pct "$gbs" "$BW")" "$tf" $n16 "$(ratio $n16 "$dec")"
+        printf '%-9s %-5s | %9.1f %8.1f %7s | %9.1f %8.2f %7s %9s | %9.1f %7s %9.1f %6s\n' "$name" "$q" "$pf" "$gops" "$(pct "$gops" "$peak")" \
+            "$dec" "$gbs" "$(pct "$gbs" "$BW")" "$tf" $n16 "$(ratio $n16 "$dec")" "$ceil" "$(pct "$n16" "$ceil")"
     done
 done
 echo "(prefill GOP/s = 2 x active parameters but the head x tok/s; GB/s = active weight bytes read per token x tok/s;"
-echo " %peak against the FP32 peak for bf16 and the INT8 peak for int8; tok/s/TF = decode tok/s per TFLOPS of that peak)"
+echo " %peak against the FP32 peak for bf16 and the INT8 peak for int8; tok/s/TF = decode tok/s per TFLOPS of that peak;"
+echo " ceiling = 16-stream tok/s if the weight bytes its steps read -- each distinct expert once per step -- streamed"
+echo " at the read bandwidth; %ceil = 16-stream tok/s against it)"
 
 # llama.cpp on the same machine: LLAMA_BENCH=path/to/llama-bench and
 # LLAMA_GGUF_DIR holding <model>-q8_0.gguf and <model>-bf16.gguf (converted
