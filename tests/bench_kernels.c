@@ -18,6 +18,7 @@
 #include <time.h>
 
 static int json, quick, sweep;
+static const char *set_name;   /* --set NAME: measure that kernel set instead of the default */
 static FILE *json_out;   /* --json-out FILE: the JSON lines also go there */
 
 static double now(void) {
@@ -477,14 +478,16 @@ int main(int argc, char **argv) {
         if (!strcmp(argv[i], "--json")) json = 1;
         else if (!strcmp(argv[i], "--quick")) quick = 1;
         else if (!strcmp(argv[i], "--sweep")) sweep = 1;
+        else if (!strcmp(argv[i], "--set") && i + 1 < argc) set_name = argv[++i];
         else if (!strcmp(argv[i], "--json-out") && i + 1 < argc) {
             if (!(json_out = fopen(argv[++i], "w"))) { perror(argv[i]); return 2; }
         } else {
-            fprintf(stderr, "usage: %s [--json] [--json-out FILE] [--quick] [--sweep]\n", argv[0]);
+            fprintf(stderr, "usage: %s [--json] [--json-out FILE] [--quick] [--sweep] [--set NAME]\n", argv[0]);
             return 2;
         }
     }
-    const gl_kernels *k = gl_kernels_get();
+    const gl_kernels *k = set_name ? gl_kernels_by_name(set_name) : gl_kernels_get();
+    if (!k) { fprintf(stderr, "kernel set %s: unknown or not runnable on this CPU\n", set_name); return 2; }
     int threads = gl_n_cpus();
     gl_pool *p1 = gl_pool_create(1), *pn = gl_pool_create(threads);
     if (!p1 || !pn) { fprintf(stderr, "cannot create the worker pool\n"); return 1; }
