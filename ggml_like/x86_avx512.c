@@ -194,8 +194,31 @@ GL_A512_INLINE void a512_panels(int type, const gl_mat *w, int nr, const float *
     }
 }
 
+/* A matrix small enough to stay in L1 (the attention core's KV blocks: 16
+ * keys x 576 floats) goes the other way round: each token tile is read
+ * once and passes over all the rows while they sit in L1, instead of every
+ * row panel re-reading all the tokens from L2.  Same tiles, same bits. */
+#define A512_L1_BYTES (40 << 10)
+
+GL_A512_INLINE void a512_tokens_outer(int type, const gl_mat *w, const float *x, int n, int ldx,
+                                      float *y, int ldy, int r0, int r1) {
+    const int r = r0 + (r1 - r0) / A512_NR * A512_NR;
+    const uint8_t *base = (const uint8_t *)w->data;
+    for (int i = 0; i < n; i += A512_NT) {
+        const int nt = n - i < A512_NT ? n - i : A512_NT;
+        const float *xi = x + (size_t)i * ldx;
+        float *yi = y + (size_t)i * ldy;
+        for (int rr = r0; rr < r; rr += A512_NR) a512_tile_nt(type, w, rr, A512_NR, xi, ldx, nt, yi, ldy, base);
+        for (int rr = r; rr < r1; rr++) a512_tile_nt(type, w, rr, 1, xi, ldx, nt, yi, ldy, base);
+    }
+}
+
 GL_A512_INLINE void a512_matmul_typed(int type, const gl_mat *w, const float *x, int n, int ldx,
                                       float *y, int ldy, int r0, int r1) {
+    if ((size_t)(r1 - r0) * (size_t)w->cols * gl_type_size(type) <= A512_L1_BYTES && n > A512_NT) {
+        a512_tokens_outer(type, w, x, n, ldx, y, ldy, r0, r1);
+        return;
+    }
     const int nb = gl_token_block(w->cols, 4), r = r0 + (r1 - r0) / A512_NR * A512_NR;
     for (int i0 = 0; i0 < n; i0 += nb) {
         const int ni = n - i0 < nb ? n - i0 : nb;
