@@ -351,9 +351,106 @@ GL_A512_INLINE void a512_panels_q8(const gl_mat *w, int nr, const int8_t *xq, co
     }
 }
 
+/* ---- short rows: packed panels, no horizontal sums ----
+ * For the attention's per-head absorbed products (W_uk^T: 128 columns per
+ * row, W_uv: 512) the tiles above spend about as much on reducing their
+ * 16-lane accumulators as on the products.  Packed four columns at a time
+ * -- lane l of panel vector g holds w[r+l][4g..4g+3] + 128 -- one vpdpbusd
+ * with the token's 4 bytes broadcast adds four products to each of 16 rows'
+ * sums, which stay in their lanes: no reduction, and each result vector is
+ * 16 consecutive rows.  64 rows at a time are packed on the stack (cols <=
+ * 512: 32 KB, by gathers) and every token passes over them.  The sums are
+ * the same exact int32 values, so the bits are the scalar set's. */
+#define A512_PK_ROWS 64
+#define A512_PK_COLS 512
+#define A512_PK_NT 6
+
+/* rows [r, r+nr) (nr <= 64; missing rows are w = 0) into pk[p*G + g] */
+GL_A512_INLINE void a512_pack64(const gl_mat *w, int r, int nr, __m512i *pk) {
+    const int cols = w->cols, G = cols / 4;
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_epi32(cols));
+    for (int p = 0; p < 4; p++) {
+        int here = nr - 16 * p;
+        const __mmask16 m = here >= 16 ? (__mmask16)0xffff : here > 0 ? a512_mask16(here) : 0;
+        const int8_t *src = (const int8_t *)w->data + (size_t)(r + 16 * p) * (size_t)cols;
+        for (int g = 0; g < G; g++) {
+            __m512i v = m ? _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, idx, src + 4 * g, 1) : _mm512_setzero_si512();
+            pk[p * G + g] = _mm512_xor_si512(v, flip);
+        }
+    }
+}
+
+GL_A512_INLINE void a512_pk_tile(const __m512i *pk, int G, const int8_t *xq, int ldx, int nt, const int32_t *xsum,
+                                 const float *xs, const float *wscale, int nr, float *y, int ldy) {
+    __m512i acc[4][A512_PK_NT];
+#pragma GCC unroll 8
+    for (int t = 0; t < nt; t++)
+#pragma GCC unroll 4
+        for (int p = 0; p < 4; p++) acc[p][t] = _mm512_setzero_si512();
+    for (int g = 0; g < G; g++) {
+        const __m512i w0 = pk[g], w1 = pk[G + g], w2 = pk[2 * G + g], w3 = pk[3 * G + g];
+#pragma GCC unroll 8
+        for (int t = 0; t < nt; t++) {
+            int32_t four;
+            memcpy(&four, xq + (size_t)t * ldx + 4 * g, 4);
+            const __m512i xb = _mm512_set1_epi32(four);
+            acc[0][t] = _mm512_dpbusd_epi32(acc[0][t], w0, xb);
+            acc[1][t] = _mm512_dpbusd_epi32(acc[1][t], w1, xb);
+            acc[2][t] = _mm512_dpbusd_epi32(acc[2][t], w2, xb);
+            acc[3][t] = _mm512_dpbusd_epi32(acc[3][t], w3, xb);
+        }
+    }
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; p++) {
+        int here = nr - 16 * p;
+        if (here <= 0) break;
+        const __mmask16 m = here >= 16 ? (__mmask16)0xffff : a512_mask16(here);
+        const __m512 ws = _mm512_maskz_loadu_ps(m, wscale + 16 * p);
+#pragma GCC unroll 8
+        for (int t = 0; t < nt; t++) {
+            __m512i sum = _mm512_sub_epi32(acc[p][t], _mm512_set1_epi32((int32_t)((uint32_t)xsum[t] << 7)));
+            __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum), ws), _mm512_set1_ps(xs[t]));
+            _mm512_mask_storeu_ps(y + (size_t)t * ldy + 16 * p, m, v);
+        }
+    }
+}
+
+GL_A512_INLINE void a512_matmul_q8_packed(const gl_mat *w, const int8_t *xq, const float *xscale, const int32_t *xsum,
+                                          int n, int ldx, float *y, int ldy, int r0, int r1) {
+    __m512i pk[4 * A512_PK_COLS / 4];
+    const int G = w->cols / 4;
+    for (int r = r0; r < r1; r += A512_PK_ROWS) {
+        const int nr = r1 - r < A512_PK_ROWS ? r1 - r : A512_PK_ROWS;
+        a512_pack64(w, r, nr, pk);
+        for (int i = 0; i < n; i += A512_PK_NT) {
+            const int nt = n - i < A512_PK_NT ? n - i : A512_PK_NT;
+            const int8_t *xi = xq + (size_t)i * ldx;
+            float *yi = y + (size_t)i * ldy + r;
+            switch (nt) {
+            case 6: a512_pk_tile(pk, G, xi, ldx, 6, xsum + i, xscale + i, w->scale + r, nr, yi, ldy); break;
+            case 5: a512_pk_tile(pk, G, xi, ldx, 5, xsum + i, xscale + i, w->scale + r, nr, yi, ldy); break;
+            case 4: a512_pk_tile(pk, G, xi, ldx, 4, xsum + i, xscale + i, w->scale + r, nr, yi, ldy); break;
+            case 3: a512_pk_tile(pk, G, xi, ldx, 3, xsum + i, xscale + i, w->scale + r, nr, yi, ldy); break;
+            case 2: a512_pk_tile(pk, G, xi, ldx, 2, xsum + i, xscale + i, w->scale + r, nr, yi, ldy); break;
+            case 1: a512_pk_tile(pk, G, xi, ldx, 1, xsum + i, xscale + i, w->scale + r, nr, yi, ldy); break;
+            }
+        }
+    }
+}
+
 static GL_A512 void a512_matmul_q8(const gl_mat *w, const int8_t *xq, const float *xscale, int n, int ldx,
                                    float *y, int ldy, int r0, int r1) {
     int32_t xsum[A512_XSUM_MAX];
+    if (w->cols <= A512_PK_COLS && w->cols % 4 == 0 && n >= 16) {   /* short rows, enough tokens to pay the packing */
+        for (int i0 = 0; i0 < n; i0 += A512_XSUM_MAX) {
+            const int ni = n - i0 < A512_XSUM_MAX ? n - i0 : A512_XSUM_MAX;
+            a512_xsums(xq + (size_t)i0 * ldx, ni, ldx, w->cols, xsum);
+            a512_matmul_q8_packed(w, xq + (size_t)i0 * ldx, xscale + i0, xsum, ni, ldx, y + (size_t)i0 * ldy, ldy, r0, r1);
+        }
+        return;
+    }
     int nb = gl_token_block(w->cols, 1);
     if (nb > A512_XSUM_MAX) nb = A512_XSUM_MAX;
     const int r = r0 + (r1 - r0) / A512_NR * A512_NR;
