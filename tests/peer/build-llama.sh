@@ -11,7 +11,7 @@
 #
 #   PEER_DIR/llama.cpp/          the source (convert_hf_to_gguf.py, gguf-py)
 #   PEER_DIR/llama.cpp/build/    the build
-#   PEER_DIR/bin/                llama-bench, llama-quantize, llama-cli, ...
+#   PEER_DIR/bin/                llama-bench, llama-quantize, llama-completion, ...
 #   PEER_DIR/READY               written last: version, commit, flags, CPU
 #
 # `make bench` then runs llama-bench beside cm384:
@@ -26,7 +26,7 @@ main=$(cd "$here" && git rev-parse --path-format=absolute --git-common-dir 2>/de
 PEER=${1:-${PEER_DIR:-$main/../peer}}
 VERSION=${NODE_LLAMA_CPP_VERSION:-3.22.1}
 JOBS=${JOBS:-$(nproc 2>/dev/null || echo 2)}
-TARGETS=${LLAMA_TARGETS:-"llama-bench llama-quantize llama-cli llama-completion llama-perplexity llama-tokenize llama-simple llama-eval-callback llama-gguf"}
+TARGETS=${LLAMA_TARGETS:-"llama-bench llama-quantize llama-completion llama-perplexity llama-tokenize llama-simple llama-eval-callback llama-gguf"}
 mkdir -p "$PEER"
 PEER=$(cd "$PEER" && pwd)
 case "$PEER/" in "$here"/*) echo "build-llama.sh: $PEER is inside the repository; give a directory outside it" >&2; exit 2 ;; esac
