@@ -207,7 +207,10 @@ static void neon_matmul(const gl_mat *w, const float *x, int n, int ldx, float *
     case GL_F16:     neon_matmul_f16(w, x, n, ldx, y, ldy, r0, r1); break;
     case GL_BF16:    neon_matmul_bf16(w, x, n, ldx, y, ldy, r0, r1); break;
     case GL_F8_E4M3: neon_matmul_f8(w, x, n, ldx, y, ldy, r0, r1); break;
-    default:         scalar_matmul(w, x, n, ldx, y, ldy, r0, r1); break;
+    default:
+        if (gl_type_is_block(w->type)) neon_qmatmul(w, x, n, ldx, y, ldy, r0, r1);   /* quants.c */
+        else scalar_matmul(w, x, n, ldx, y, ldy, r0, r1);
+        break;
     }
 }
 

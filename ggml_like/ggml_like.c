@@ -95,6 +95,7 @@ void gl_row_range_to_f32(const gl_mat *w, int r, int c0, int n, float *out) {
         for (int c = 0; c < n; c++) out[c] = (float)p[c] * s;
         break;
     }
+    default: gl_qrow_to_f32(w, r, out); break;   /* GGUF block formats (quants.c) */
     }
 }
 
@@ -240,13 +241,18 @@ const gl_kernels *gl_kernels_scalar(void) { return &gl_scalar_kernels; }
 #if !defined(GL_NO_SIMD) && (defined(__GNUC__) || defined(__clang__))
 #if defined(__x86_64__) || defined(__i386__)
 #define GL_HAVE_AVX2 1
+static void avx2_qmatmul(const gl_mat *w, const float *x, int n, int ldx, float *y, int ldy, int r0, int r1);
+static void avx512_qmatmul(const gl_mat *w, const float *x, int n, int ldx, float *y, int ldy, int r0, int r1);
 #include "x86_avx2.c"
 #include "x86_avx512.c"
 #elif defined(__aarch64__)
 #define GL_HAVE_NEON 1
+static void neon_qmatmul(const gl_mat *w, const float *x, int n, int ldx, float *y, int ldy, int r0, int r1);
 #include "arm_neon.c"
 #endif
 #endif
+
+#include "quants.c"   /* GGUF block formats: portable part and each set's product */
 
 /* The CPU's features, probed once: a benign cache (every thread computes
  * the same value; 0 means not yet probed). */

@@ -32,6 +32,18 @@ enum gl_type {
     GL_TYPE_COUNT
 };
 
+/* ggml's block-quantized formats, as GGUF stores them (ggml_like/quants.c
+ * describes each block).  A row of cols values is cols / gl_type_block()
+ * blocks; gl_mat.scale is NULL (the scales live in the blocks).  Append-only. */
+enum gl_block_type {
+    GL_Q8_0 = 16,     /* 32 values: f16 scale, int8                                        */
+    GL_Q4_0,          /* 32 values: f16 scale, 4-bit                                       */
+    GL_Q4_K,          /* 256 values: f16 scale and min, 6-bit sub-block scales, 4-bit      */
+    GL_Q5_K,          /* as Q4_K with 5-bit values                                         */
+    GL_Q6_K,          /* 256 values: f16 scale, int8 sub-block scales, 6-bit               */
+    GL_BLOCK_TYPE_END
+};
+
 #define GL_F8_BLOCK 128
 
 /* A weight matrix as stored. */
@@ -68,6 +80,16 @@ static inline uint16_t gl_f32_to_bf16(float f) {      /* round to nearest even *
 float    gl_f16_to_f32(uint16_t h);
 uint16_t gl_f32_to_f16(float f);
 float    gl_f8e4m3_to_f32(uint8_t b);
+
+int         gl_type_is_block(int type);
+int         gl_type_block(int type);                 /* values per block (1: element types) */
+size_t      gl_row_bytes(int type, int cols);        /* bytes of one row of cols values     */
+const char *gl_type_name(int type);                  /* "BF16", "Q4_K", ...                 */
+/* Row r of a block-quantized W to fp32 (what gl_row_to_f32 does for them). */
+void        gl_qrow_to_f32(const gl_mat *w, int r, float *out);
+/* One row of cols values (a multiple of 32) to Q8_0 / Q4_0 blocks. */
+void        gl_quantize_row_q8_0(const float *x, int cols, uint8_t *out);
+void        gl_quantize_row_q4_0(const float *x, int cols, uint8_t *out);
 
 /* Converts row r of W to fp32 (dequantizing blocks/scales). */
 void gl_row_to_f32(const gl_mat *w, int r, float *out);

@@ -204,8 +204,17 @@ static void avx2_matmul(const gl_mat *w, const float *x, int n, int ldx, float *
     case GL_F16:     avx2_matmul_f16(w, x, n, ldx, y, ldy, r0, r1); break;
     case GL_BF16:    avx2_matmul_bf16(w, x, n, ldx, y, ldy, r0, r1); break;
     case GL_F8_E4M3: avx2_matmul_f8(w, x, n, ldx, y, ldy, r0, r1); break;
-    default:         scalar_matmul(w, x, n, ldx, y, ldy, r0, r1); break;
+    default:
+        if (gl_type_is_block(w->type)) avx2_qmatmul(w, x, n, ldx, y, ldy, r0, r1);   /* quants.c */
+        else scalar_matmul(w, x, n, ldx, y, ldy, r0, r1);
+        break;
     }
+}
+
+/* The AVX-512 set: the block formats with 512-bit FMA (quants.c), the rest as AVX2. */
+static void avx512_matmul(const gl_mat *w, const float *x, int n, int ldx, float *y, int ldy, int r0, int r1) {
+    if (gl_type_is_block(w->type)) avx512_qmatmul(w, x, n, ldx, y, ldy, r0, r1);
+    else avx2_matmul(w, x, n, ldx, y, ldy, r0, r1);
 }
 
 /* ---- W8A8 ----
@@ -473,7 +482,7 @@ static const gl_kernels gl_avx_vnni_kernels = {
     avx2_exp_sum, avx2_silu_mul,
 };
 static const gl_kernels gl_avx512_vnni_kernels = {
-    "avx512_vnni", avx2_matmul, evex_matmul_q8, avx2_quantize_q8, avx2_dot, avx2_axpy, avx2_axpy_rows, avx2_axpy_rows_n,
+    "avx512_vnni", avx512_matmul, evex_matmul_q8, avx2_quantize_q8, avx2_dot, avx2_axpy, avx2_axpy_rows, avx2_axpy_rows_n,
     avx2_exp_sum, avx2_silu_mul,
 };
 

@@ -750,6 +750,139 @@ static void test_pool(int threads) {
     free(count);
 }
 
+/* ---- GGUF block formats (quants.c) ---- */
+
+/* A random block-quantized matrix: random bytes, with every f16 scale a
+ * finite value of moderate size (real files have nothing else). */
+static test_mat make_qmat(int type, int rows, int cols) {
+    test_mat t;
+    size_t rb = gl_row_bytes(type, cols), bb = rb / (size_t)(cols / gl_type_block(type));
+    uint8_t *p = xmalloc(rb * rows);
+    for (size_t i = 0; i < rb * rows; i++) p[i] = (uint8_t)rng_u64();
+    for (size_t b = 0; b < rb * rows / bb; b++) {
+        uint8_t *blk = p + b * bb;
+        uint16_t d = gl_f32_to_f16(ldexpf(rng_unif(), -6 - rng_int(4))), dm = gl_f32_to_f16(ldexpf(rng_unif(), -7));
+        if (type == GL_Q6_K) memcpy(blk + 208, &d, 2);
+        else memcpy(blk, &d, 2);
+        if (type == GL_Q4_K || type == GL_Q5_K) memcpy(blk + 2, &dm, 2);
+    }
+    t.data = p; t.scale = NULL;
+    t.m.type = type; t.m.rows = rows; t.m.cols = cols; t.m.data = p; t.m.scale = NULL;
+    return t;
+}
+
+/* Value i of a block, straight from the layout description (an independent
+ * reading of the formats, in double). */
+static double ref_block_value(int type, const uint8_t *b, int i) {
+    uint16_t h;
+    switch (type) {
+    case GL_Q8_0: memcpy(&h, b, 2); return ref_f16(h) * (int8_t)b[2 + i];
+    case GL_Q4_0: memcpy(&h, b, 2); return ref_f16(h) * (((i < 16 ? b[2 + i] : b[2 + i - 16] >> 4) & 15) - 8);
+    case GL_Q4_K: case GL_Q5_K: {
+        uint16_t hm;
+        memcpy(&h, b, 2); memcpy(&hm, b + 2, 2);
+        int sub = i / 32, l = i % 32, g = sub / 2;
+        const uint8_t *s = b + 4;
+        int sc = sub < 4 ? s[sub] & 63 : (s[sub + 4] & 15) | (s[sub - 4] >> 6) << 4;
+        int m = sub < 4 ? s[sub + 4] & 63 : (s[sub + 4] >> 4) | (s[sub] >> 6) << 4;
+        const uint8_t *qs = b + (type == GL_Q4_K ? 16 : 48);
+        int q = sub % 2 ? qs[32 * g + l] >> 4 : qs[32 * g + l] & 15;
+        if (type == GL_Q5_K) q += (b[16 + l] >> sub & 1) * 16;
+        return ref_f16(h) * sc * q - ref_f16(hm) * m;
+    }
+    case GL_Q6_K: {
+        memcpy(&h, b + 208, 2);
+        int half = i / 128, j = i % 128, quarter = j / 32, l = j % 32;
+        const uint8_t *ql = b + 64 * half + (quarter % 2) * 32, *qh = b + 128 + 32 * half;
+        int lo = quarter < 2 ? ql[l] & 15 : ql[l] >> 4;
+        int q = (lo | ((qh[l] >> (2 * quarter)) & 3) << 4) - 32;
+        return ref_f16(h) * (int8_t)b[192 + 8 * half + l / 16 + 2 * quarter] * q;
+    }
+    }
+    return NAN;
+}
+
+static void test_block_formats(void) {
+    static const int types[] = {GL_Q8_0, GL_Q4_0, GL_Q4_K, GL_Q5_K, GL_Q6_K};
+    float out[512];
+    for (size_t ti = 0; ti < 5; ti++) {
+        int type = types[ti], bs = gl_type_block(type), bad = 0;
+        test_mat t = make_qmat(type, 4, 2 * bs);
+        size_t bb = gl_row_bytes(type, 2 * bs) / 2;
+        for (int r = 0; r < 4; r++) {
+            gl_row_to_f32(&t.m, r, out);
+            for (int i = 0; i < 2 * bs; i++) {
+                const uint8_t *blk = (const uint8_t *)t.data + (size_t)r * 2 * bb + (size_t)(i / bs) * bb;
+                double ref = ref_block_value(type, blk, i % bs);
+                if (fabs(ref - out[i]) > 1e-7 * fabs(ref) + 1e-30) bad++;   /* one rounding at most */
+            }
+        }
+        check(!bad, "%s: %d dequantized values differ from the layout", gl_type_name(type), bad);
+        free_mat(&t);
+    }
+    /* the quantizers: each value within half a step of the original (Q4_0:
+       a step; its codes run -8..7, so the side opposite the largest
+       magnitude clips) */
+    float x[64], back[64];
+    for (int i = 0; i < 64; i++) x[i] = rng_unif() * (i == 5 ? 4 : 1);
+    uint8_t q[68];
+    for (int pass = 0; pass < 2; pass++) {
+        int type = pass ? GL_Q4_0 : GL_Q8_0;
+        (pass ? gl_quantize_row_q4_0 : gl_quantize_row_q8_0)(x, 64, q);
+        gl_mat m = {type, 1, 64, q, NULL};
+        gl_row_to_f32(&m, 0, back);
+        int bad = 0;
+        for (int b = 0; b < 2; b++) {
+            float amax = 0;
+            for (int i = 0; i < 32; i++) amax = fmaxf(amax, fabsf(x[32 * b + i]));
+            float tol = pass ? amax / 8.0f : 0.5f * amax / 127.0f;
+            for (int i = 0; i < 32; i++) bad += fabsf(back[32 * b + i] - x[32 * b + i]) > tol * 1.002f;
+        }
+        check(!bad, "%s: quantize then dequantize: %d values off by more than the step allows", gl_type_name(type), bad);
+    }
+}
+
+/* Block-format products of a set: equal to the scalar set within rounding;
+ * where the set keeps the 8-lane order of its fp32 product, the same bits as
+ * that product over the dequantized matrix; batch invariant. */
+static void test_qmatmul(const gl_kernels *k) {
+    static const int types[] = {GL_Q8_0, GL_Q4_0, GL_Q4_K, GL_Q5_K, GL_Q6_K};
+    const gl_kernels *s = gl_kernels_scalar();
+    const int same_order = strcmp(k->name, "avx512_vnni") != 0;
+    for (size_t ti = 0; ti < 5; ti++)
+        for (int shape = 0; shape < 4; shape++) {
+            int type = types[ti], bs = gl_type_block(type);
+            int cols = bs * (shape == 0 ? 1 : shape == 1 ? 5 : shape == 2 ? 9 : 1 + rng_int(bs == 32 ? 80 : 10));
+            int rows = 1 + rng_int(8), n = shape == 3 ? 33 + rng_int(8) : 1 + rng_int(6), ldx = cols + 3, ldy = rows + 1;
+            test_mat t = make_qmat(type, rows, cols);
+            test_mat f = {{GL_F32, rows, cols, NULL, NULL}, xmalloc((size_t)rows * cols * 4), NULL};
+            for (int r = 0; r < rows; r++) gl_row_to_f32(&t.m, r, (float *)f.data + (size_t)r * cols);
+            f.m.data = f.data;
+            test_act a = make_act(s, n, cols, ldx);
+            size_t ysz = (size_t)n * ldy;
+            float *y = xmalloc(ysz * 4), *ys = xmalloc(ysz * 4), *yf = xmalloc(ysz * 4), *y1 = xmalloc(ysz * 4);
+            run_mm(k, &t.m, &a, 0, n, y, ldy, 0, rows);
+            run_mm(s, &t.m, &a, 0, n, ys, ldy, 0, rows);
+            run_mm(k, &f.m, &a, 0, n, yf, ldy, 0, rows);
+            for (int i = 0; i < n; i++) run_mm(k, &t.m, &a, i, 1, y1 + (size_t)i * ldy, ldy, rows / 2, rows);
+            for (int i = 0; i < n; i++) run_mm(k, &t.m, &a, i, 1, y1 + (size_t)i * ldy, ldy, 0, rows / 2);
+            int bad = 0, bits = 0, inv = 0;
+            for (int i = 0; i < n; i++)
+                for (int r = 0; r < rows; r++) {
+                    size_t j = (size_t)i * ldy + r;
+                    double sum_abs = 0;
+                    for (int c = 0; c < cols; c++) sum_abs += fabs((double)((float *)f.data)[(size_t)r * cols + c] * a.x[(size_t)i * ldx + c]);
+                    bad += fabs((double)y[j] - ys[j]) > fp_tol(cols, sum_abs);
+                    bits += same_order && f2u(y[j]) != f2u(yf[j]);
+                    inv += f2u(y[j]) != f2u(y1[j]);
+                }
+            check(!bad, "%s: matmul %s rows=%d cols=%d n=%d: %d values off the scalar set", k->name, gl_type_name(type), rows, cols, n, bad);
+            check(!bits, "%s: matmul %s cols=%d: %d values differ from the fp32 product of the dequantized rows", k->name, gl_type_name(type), cols, bits);
+            check(!inv, "%s: matmul %s cols=%d n=%d: %d values change with the batch or row range", k->name, gl_type_name(type), cols, n, inv);
+            free(y); free(ys); free(yf); free(y1); free_act(&a); free_mat(&t); free_mat(&f);
+        }
+}
+
 #ifdef CM384_TEST_ALL
 int test_main_kernels(int argc, char **argv) {
 #else
@@ -778,6 +911,7 @@ int main(int argc, char **argv) {
     test_pool_pinned(4);
     test_pool(4);
     test_scalar_wide();
+    test_block_formats();
     gl_pool *pool2 = gl_pool_create(2), *pool4 = gl_pool_create(4);
     for (int s = 0; s < n_sets; s++) {
         test_set_conversions(sets[s]);
@@ -789,6 +923,7 @@ int main(int argc, char **argv) {
         test_q8_extremes(sets[s]);
         test_q8_short(sets[s]);
         test_invariance(sets[s], pool2, pool4);
+        test_qmatmul(sets[s]);
     }
     {   /* opt-in sets: never chosen by default; checked wherever the CPU has them */
         const gl_kernels *bf = gl_kernels_by_name("avx512_bf16");
