@@ -1657,6 +1657,11 @@ struct tokenizer {
     int         chat_format;         /* CM384_CHAT_*, or CM384_E_NOT_FOUND (no
                                         template), CM384_E_UNSUPPORTED (unknown) */
     uint64_t    chat_template_hash;  /* of the canonical text, for messages    */
+    const char *pre_name;            /* llama.cpp's name for the pre-tokenizer
+                                        ("deepseek-v3", "deepseek-llm") or NULL */
+    const char *chat_template;       /* the template text as the model ships it
+                                        (tokenizer_config.json or the GGUF's
+                                        tokenizer.chat_template), or NULL     */
 };
 
 /* GPT-2's byte map: printable Latin-1 bytes stand for themselves; the other
@@ -2207,6 +2212,17 @@ static int token_id_of_text(const tok_loader *L, const char *s, int n) {
 
 static void tokenizer_set_chat_template(tokenizer *t, const char *tpl, size_t len);
 
+/* The chat template text, wherever it came from (tokenizer_config.json's
+ * chat_template, a GGUF's tokenizer.chat_template): kept with the tokenizer
+ * (a GGUF export writes it back), and the chat format recognised from it. */
+static int tokenizer_keep_template(tokenizer *t, const char *tpl, size_t len, const char *path) {
+    char *copy = arena_strndup(&t->mem, tpl, len);
+    if (!copy) return fail(CM384_E_NOMEM, "%s: out of memory", path);
+    t->chat_template = copy;
+    tokenizer_set_chat_template(t, copy, len);
+    return CM384_OK;
+}
+
 static int load_config(tok_loader *L, const char *config_path) {
     tokenizer *t = L->t;
     t->bos_id = t->eos_id = -1;
@@ -2242,14 +2258,91 @@ static int load_config(tok_loader *L, const char *config_path) {
             if (text && text->type == JSON_STRING && (!tpl || (name && !strcmp(name, "default")))) tpl = text;
         }
     }
-    if (tpl) tokenizer_set_chat_template(t, tpl->str, (size_t)tpl->len);
-    return CM384_OK;
+    return tpl ? tokenizer_keep_template(t, tpl->str, (size_t)tpl->len, config_path) : CM384_OK;
 }
 
 static void tokenizer_free(tokenizer *t) {
     if (!t) return;
     arena_free(&t->mem);
     free(t);
+}
+
+/* The two pre-tokenizers DeepSeek's GGUF files name, as their tokenizer.json
+ * files spell them ("deepseek-v3": V3, R1 and their family; "deepseek-llm":
+ * DeepSeek-LLM, V2, V2-Lite). */
+static const char gguf_pre_deepseek_v3[] =
+    "{\"type\":\"Sequence\",\"pretokenizers\":["
+    "{\"type\":\"Split\",\"pattern\":{\"Regex\":\"\\\\p{N}{1,3}\"},\"behavior\":\"Isolated\",\"invert\":false},"
+    "{\"type\":\"Split\",\"pattern\":{\"Regex\":\"[一-龥぀-ゟ゠-ヿ]+\"},\"behavior\":\"Isolated\",\"invert\":false},"
+    "{\"type\":\"Split\",\"pattern\":{\"Regex\":\"[!\\\"#$%&'()*+,\\\\-./:;<=>?@\\\\[\\\\\\\\\\\\]^_`{|}~][A-Za-z]+|"
+    "[^\\r\\n\\\\p{L}\\\\p{P}\\\\p{S}]?[\\\\p{L}\\\\p{M}]+| ?[\\\\p{P}\\\\p{S}]+[\\r\\n]*|\\\\s*[\\r\\n]+|\\\\s+(?!\\\\S)|\\\\s+\"},"
+    "\"behavior\":\"Isolated\",\"invert\":false},"
+    "{\"type\":\"ByteLevel\",\"add_prefix_space\":false,\"trim_offsets\":true,\"use_regex\":false}]}";
+static const char gguf_pre_deepseek_llm[] =
+    "{\"type\":\"Sequence\",\"pretokenizers\":["
+    "{\"type\":\"Split\",\"pattern\":{\"Regex\":\"[\\r\\n]\"},\"behavior\":\"Isolated\",\"invert\":false},"
+    "{\"type\":\"Split\",\"pattern\":{\"Regex\":\"\\\\s?[A-Za-zµÀ-ÖØ-öø-ƺƼ-ƿǄ-ʓʕ-ʯͰ-ͳͶͷͻ-ͽͿΆΈ-ΊΌΎ-ΡΣ-ϵϷ-ҁҊ-ԯԱ-ՖႠ-ჅᎠ-Ᏽᏸ-ᏽᲐ-ᲺᲽ-Ჿᴀ-ᴫᵫ-ᵷᵹ-ᶚḀ-ἕἘ-Ἕἠ-ὅὈ-Ὅὐ-ὗὙὛὝὟ-ώᾀ-ᾴᾶ-ᾼιῂ-ῄῆ-ῌῐ-ΐῖ-Ίῠ-Ῥῲ-ῴῶ-ῼℂℇℊ-ℓℕℙ-ℝℤΩℨK-ℭℯ-ℴℹℼ-ℿⅅ-ⅉⅎↃↄⰀ-ⱻⱾ-ⳤⳫ-ⳮⳲⳳꙀ-ꙭꚀ-ꚛꜢ-ꝯꝱ-ꞇꞋ-ꞎꭰ-ꮿﬀ-ﬆﬓ-ﬗＡ-Ｚａ-ｚ𐐀-𐑏𐒰-𐓓𐓘-𐓻𐲀-𐲲𐳀-𐳲𑢠-𑣟𞤀-𞥃]+\"},\"behavior\":\"Isolated\",\"invert\":false},"
+    "{\"type\":\"Split\",\"pattern\":{\"Regex\":\"\\\\s?[!-/:-~！-／：-～‘-‟　-。]+\"},\"behavior\":\"Isolated\",\"invert\":false},"
+    "{\"type\":\"Split\",\"pattern\":{\"Regex\":\"\\\\s+$\"},\"behavior\":\"Isolated\",\"invert\":false},"
+    "{\"type\":\"Split\",\"pattern\":{\"Regex\":\"[一-龥ࠀ-一가-퟿]+\"},\"behavior\":\"Isolated\",\"invert\":false},"
+    "{\"type\":\"Split\",\"pattern\":{\"Regex\":\"\\\\p{N}+\"},\"behavior\":\"Isolated\",\"invert\":false},"
+    "{\"type\":\"ByteLevel\",\"add_prefix_space\":false,\"trim_offsets\":true,\"use_regex\":false}]}";
+
+/* Two JSON values equal as data (object members in any order). */
+static int json_equal(const json *a, const json *b) {
+    if (!a || !b || a->type != b->type || a->len != b->len) return 0;
+    switch (a->type) {
+    case JSON_NUMBER: return a->num == b->num;
+    case JSON_STRING: return !memcmp(a->str, b->str, (size_t)a->len);
+    case JSON_ARRAY:
+        for (int i = 0; i < a->len; i++) if (!json_equal(&a->kids[i], &b->kids[i])) return 0;
+        return 1;
+    case JSON_OBJECT:
+        for (int i = 0; i < a->len; i++) {
+            const json *o = NULL;
+            for (int j = 0; j < b->len && !o; j++)
+                if (b->kids[j].key_len == a->kids[i].key_len && !memcmp(b->kids[j].key, a->kids[i].key, (size_t)a->kids[i].key_len))
+                    o = &b->kids[j];
+            if (!json_equal(&a->kids[i], o)) return 0;
+        }
+        return 1;
+    default: return 1;
+    }
+}
+
+
+/* llama.cpp's name for this pre-tokenizer, if it is one of DeepSeek's (what
+ * a GGUF export writes as tokenizer.ggml.pre). */
+static int tokenizer_pre_name(tok_loader *L, const json *pt) {
+    static const struct { const char *name, *text; } known[] = {
+        {"deepseek-v3", gguf_pre_deepseek_v3}, {"deepseek-llm", gguf_pre_deepseek_llm}};
+    for (size_t i = 0; pt && i < sizeof known / sizeof known[0]; i++) {
+        json k;
+        if (json_parse(known[i].text, strlen(known[i].text), &L->tmp, &k, "built-in pre-tokenizer"))
+            return fail(CM384_E_INTERNAL, "built-in pre-tokenizer %s does not parse", known[i].name);
+        if (json_equal(pt, &k)) { L->t->pre_name = known[i].name; break; }
+    }
+    return CM384_OK;
+}
+
+/* Builds L->t from a parsed tokenizer.json tree. */
+static int tokenizer_build(tok_loader *L, const json *root) {
+    int r = CM384_OK;
+    if (root->type != JSON_OBJECT) r = fail(CM384_E_FORMAT, "%s: not a JSON object", L->path);
+    if (!r) r = load_model(L, root);
+    if (!r) r = load_added_tries(L);
+    if (!r) r = check_normalizer(L, json_get(root, "normalizer"));
+    if (!r) r = add_pretok(L, json_get(root, "pre_tokenizer"), 0);
+    if (!r && (L->t->n_steps == 0 || L->t->steps[L->t->n_steps - 1].kind != PT_BYTELEVEL))
+        r = fail(CM384_E_UNSUPPORTED, "%s: the pre_tokenizer has no ByteLevel step (only byte-level BPE is supported)", L->path);
+    if (!r) r = check_decoder(L, json_get(root, "decoder"));
+    if (!r) r = tokenizer_pre_name(L, json_get(root, "pre_tokenizer"));
+    return r;
+}
+
+static void tok_loader_free(tok_loader *L) {
+    free(L->str); free(L->len); free(L->text); free(L->text_len); free(L->vtab); free(L->aid); free(L->afirst);
+    arena_free(&L->tmp);
 }
 
 static int tokenizer_load(tokenizer **out, const char *tokenizer_json_path, const char *tokenizer_config_path) {
@@ -2262,17 +2355,9 @@ static int tokenizer_load(tokenizer **out, const char *tokenizer_json_path, cons
     if (!L.t) return fail(CM384_E_NOMEM, "%s: out of memory", L.path);
     json root;
     int r = json_load_file(L.path, &L.tmp, &root);
-    if (!r && root.type != JSON_OBJECT) r = fail(CM384_E_FORMAT, "%s: not a JSON object", L.path);
-    if (!r) r = load_model(&L, &root);
-    if (!r) r = load_added_tries(&L);
-    if (!r) r = check_normalizer(&L, json_get(&root, "normalizer"));
-    if (!r) r = add_pretok(&L, json_get(&root, "pre_tokenizer"), 0);
-    if (!r && (L.t->n_steps == 0 || L.t->steps[L.t->n_steps - 1].kind != PT_BYTELEVEL))
-        r = fail(CM384_E_UNSUPPORTED, "%s: the pre_tokenizer has no ByteLevel step (only byte-level BPE is supported)", L.path);
-    if (!r) r = check_decoder(&L, json_get(&root, "decoder"));
+    if (!r) r = tokenizer_build(&L, &root);
     if (!r) r = load_config(&L, tokenizer_config_path);
-    free(L.str); free(L.len); free(L.text); free(L.text_len); free(L.vtab); free(L.aid); free(L.afirst);
-    arena_free(&L.tmp);
+    tok_loader_free(&L);
     if (r) { tokenizer_free(L.t); return r; }
     *out = L.t;
     return CM384_OK;
@@ -3405,6 +3490,243 @@ static int st_read_header(const file_map *f, const char *path, int file_index, a
     return CM384_OK;
 }
 
+/* ---- GGUF ----
+ * llama.cpp's single-file format: "GGUF", version (2 or 3), tensor count,
+ * metadata count, then metadata (key string, value type, value), tensor
+ * infos (name, dims, ggml type, offset), and the tensor data from the next
+ * multiple of general.alignment (default 32).  Little-endian throughout;
+ * strings are a u64 length and bytes.  ggml lists dimensions fastest first,
+ * so ne = {cols, rows, n} is the row-major [n][rows][cols] of safetensors.
+ * Every read is bounds-checked against the file size; a bad file fails with
+ * a message naming it and the offending key, tensor or byte offset. */
+
+enum { GGUF_U8, GGUF_I8, GGUF_U16, GGUF_I16, GGUF_U32, GGUF_I32, GGUF_F32, GGUF_BOOL, GGUF_STR,
+       GGUF_ARR, GGUF_U64, GGUF_I64, GGUF_F64, GGUF_NTYPES };
+
+typedef struct gguf_kv {
+    const char    *key;          /* NUL-terminated copy                          */
+    int            type;         /* GGUF_*                                       */
+    int            arr_type;     /* GGUF_ARR: element type                       */
+    uint64_t       n;            /* GGUF_ARR: elements; GGUF_STR: bytes          */
+    const uint8_t *p;            /* the value's bytes in the file (array: first
+                                    element; string: its bytes)                  */
+    double         num;          /* numbers and bools                            */
+} gguf_kv;
+
+typedef struct gguf_meta {
+    gguf_kv *kv;
+    int      n_kv;
+    uint32_t version, alignment;
+} gguf_meta;
+
+typedef struct {
+    const uint8_t *p;
+    size_t         pos, size;
+    const char    *path;
+} gguf_reader;
+
+static int gguf_need(gguf_reader *rd, uint64_t n, const char *what) {
+    if (n > rd->size - rd->pos)
+        return fail(CM384_E_FORMAT, "%s: %s at byte %zu runs past the end of the file (%zu bytes; truncated?)",
+                    rd->path, what, rd->pos, rd->size);
+    return CM384_OK;
+}
+
+static uint64_t gguf_le(const uint8_t *p, int bytes) {
+    uint64_t v = 0;
+    for (int i = bytes - 1; i >= 0; i--) v = v << 8 | p[i];
+    return v;
+}
+
+static int gguf_u32(gguf_reader *rd, uint32_t *v, const char *what) {
+    int r = gguf_need(rd, 4, what);
+    if (!r) { *v = (uint32_t)gguf_le(rd->p + rd->pos, 4); rd->pos += 4; }
+    return r;
+}
+
+static int gguf_u64(gguf_reader *rd, uint64_t *v, const char *what) {
+    int r = gguf_need(rd, 8, what);
+    if (!r) { *v = gguf_le(rd->p + rd->pos, 8); rd->pos += 8; }
+    return r;
+}
+
+static int gguf_str(gguf_reader *rd, const uint8_t **s, uint64_t *len, const char *what) {
+    int r = gguf_u64(rd, len, what);
+    if (!r) r = gguf_need(rd, *len, what);
+    if (!r) { *s = rd->p + rd->pos; rd->pos += (size_t)*len; }
+    return r;
+}
+
+static int gguf_scalar_size(int type) {
+    static const int sz[GGUF_NTYPES] = {1, 1, 2, 2, 4, 4, 4, 1, 0, 0, 8, 8, 8};
+    return type >= 0 && type < GGUF_NTYPES ? sz[type] : 0;
+}
+
+static double gguf_scalar(const uint8_t *p, int type) {
+    uint64_t u = gguf_le(p, gguf_scalar_size(type));
+    switch (type) {
+    case GGUF_I8: return (int8_t)u;
+    case GGUF_I16: return (int16_t)u;
+    case GGUF_I32: return (int32_t)u;
+    case GGUF_I64: return (double)(int64_t)u;
+    case GGUF_F32: { uint32_t b = (uint32_t)u; float f; memcpy(&f, &b, 4); return f; }
+    case GGUF_F64: { double f; memcpy(&f, &u, 8); return f; }
+    default: return (double)u;
+    }
+}
+
+/* ggml tensor types: the ones cm384 computes, and names for the rest. */
+static int gguf_ggml_type(uint32_t t, const char **name) {
+    static const struct { uint32_t id; int type; const char *name; } tt[] = {
+        {0, GL_F32, "F32"}, {1, GL_F16, "F16"}, {30, GL_BF16, "BF16"}, {8, GL_Q8_0, "Q8_0"},
+        {2, GL_Q4_0, "Q4_0"}, {12, GL_Q4_K, "Q4_K"}, {13, GL_Q5_K, "Q5_K"}, {14, GL_Q6_K, "Q6_K"},
+        {3, -1, "Q4_1"}, {6, -1, "Q5_0"}, {7, -1, "Q5_1"}, {9, -1, "Q8_1"}, {10, -1, "Q2_K"},
+        {11, -1, "Q3_K"}, {15, -1, "Q8_K"}, {16, -1, "IQ2_XXS"}, {17, -1, "IQ2_XS"}, {18, -1, "IQ3_XXS"},
+        {19, -1, "IQ1_S"}, {20, -1, "IQ4_NL"}, {21, -1, "IQ3_S"}, {22, -1, "IQ2_S"}, {23, -1, "IQ4_XS"},
+        {24, -1, "I8"}, {25, -1, "I16"}, {26, -1, "I32"}, {27, -1, "I64"}, {28, -1, "F64"},
+        {29, -1, "IQ1_M"}, {34, -1, "TQ1_0"}, {35, -1, "TQ2_0"}, {39, -1, "MXFP4"}};
+    for (size_t i = 0; i < sizeof tt / sizeof tt[0]; i++)
+        if (tt[i].id == t) { *name = tt[i].name; return tt[i].type; }
+    *name = NULL;
+    return -2;
+}
+
+/* Parses the header and the tensor infos of a GGUF file; adds the tensors
+ * to tt (names as in the file, shapes row-major) and the metadata to g. */
+static int gguf_read(const file_map *f, const char *path, int file_index, arena *a, gguf_meta *g, tensor_table *tt) {
+    gguf_reader rd = {f->data, 0, f->size, path};
+    memset(g, 0, sizeof *g);
+    uint32_t magic;
+    uint64_t n_tensors, n_kv;
+    int r = gguf_u32(&rd, &magic, "the magic");
+    if (r) return r;
+    if (magic != 0x46554747u) return fail(CM384_E_FORMAT, "%s: not a GGUF file (no \"GGUF\" magic)", path);
+    if ((r = gguf_u32(&rd, &g->version, "the version"))) return r;
+    if (g->version < 2 || g->version > 3)
+        return fail(CM384_E_UNSUPPORTED, "%s: GGUF version %u (only 2 and 3)", path, g->version);
+    if ((r = gguf_u64(&rd, &n_tensors, "the tensor count")) || (r = gguf_u64(&rd, &n_kv, "the metadata count")))
+        return r;
+    /* every entry takes at least 12 bytes (kv) or 24 (tensor): bounds the counts */
+    if (n_kv > f->size / 12 || n_tensors > f->size / 24)
+        return fail(CM384_E_FORMAT, "%s: %llu metadata entries and %llu tensors cannot fit in %zu bytes",
+                    path, (unsigned long long)n_kv, (unsigned long long)n_tensors, f->size);
+    g->kv = arena_alloc(a, (size_t)(n_kv ? n_kv : 1) * sizeof *g->kv);
+    if (!g->kv) return fail(CM384_E_NOMEM, "out of memory");
+    g->alignment = 32;
+    for (uint64_t i = 0; i < n_kv; i++) {
+        gguf_kv *kv = &g->kv[i];
+        const uint8_t *ks;
+        uint64_t kl;
+        uint32_t type;
+        memset(kv, 0, sizeof *kv);
+        if ((r = gguf_str(&rd, &ks, &kl, "a metadata key"))) return r;
+        if (!(kv->key = arena_strndup(a, (const char *)ks, (size_t)kl))) return fail(CM384_E_NOMEM, "out of memory");
+        if ((r = gguf_u32(&rd, &type, kv->key))) return r;
+        kv->type = (int)type;
+        if (type == GGUF_STR) {
+            if ((r = gguf_str(&rd, &kv->p, &kv->n, kv->key))) return r;
+        } else if (type == GGUF_ARR) {
+            uint32_t et;
+            if ((r = gguf_u32(&rd, &et, kv->key)) || (r = gguf_u64(&rd, &kv->n, kv->key))) return r;
+            kv->arr_type = (int)et;
+            kv->p = rd.p + rd.pos;
+            if (et == GGUF_STR) {
+                for (uint64_t j = 0; j < kv->n; j++) {
+                    const uint8_t *s;
+                    uint64_t sl;
+                    if ((r = gguf_str(&rd, &s, &sl, kv->key))) return r;
+                }
+            } else {
+                int es = gguf_scalar_size((int)et);
+                if (!es) return fail(CM384_E_FORMAT, "%s: metadata \"%s\": array of element type %u is not supported",
+                                     path, kv->key, et);
+                if (kv->n > (rd.size - rd.pos) / (uint64_t)es)
+                    return fail(CM384_E_FORMAT, "%s: metadata \"%s\": %llu elements run past the end of the file",
+                                path, kv->key, (unsigned long long)kv->n);
+                rd.pos += (size_t)kv->n * (size_t)es;
+            }
+        } else {
+            int es = gguf_scalar_size((int)type);
+            if (!es) return fail(CM384_E_FORMAT, "%s: metadata \"%s\" has unknown value type %u", path, kv->key, type);
+            if ((r = gguf_need(&rd, (uint64_t)es, kv->key))) return r;
+            kv->p = rd.p + rd.pos;
+            kv->num = gguf_scalar(kv->p, (int)type);
+            rd.pos += (size_t)es;
+        }
+        g->n_kv++;
+        if (!strcmp(kv->key, "general.alignment")) {
+            if (type != GGUF_U32 || kv->num < 1 || kv->num > 65536 || ((uint32_t)kv->num & ((uint32_t)kv->num - 1)))
+                return fail(CM384_E_FORMAT, "%s: general.alignment must be a u32 power of two", path);
+            g->alignment = (uint32_t)kv->num;
+        }
+    }
+    /* tensor infos; offsets are checked once the data section is known */
+    tensor_info *infos = calloc((size_t)(n_tensors ? n_tensors : 1), sizeof *infos);
+    uint64_t *offs = calloc((size_t)(n_tensors ? n_tensors : 1), sizeof *offs);
+    if (!infos || !offs) { free(infos); free(offs); return fail(CM384_E_NOMEM, "out of memory"); }
+    for (uint64_t i = 0; i < n_tensors && !r; i++) {
+        tensor_info *ti = &infos[i];
+        const uint8_t *ns;
+        uint64_t nl, ne[4] = {1, 1, 1, 1};
+        uint32_t nd, type;
+        if ((r = gguf_str(&rd, &ns, &nl, "a tensor name"))) break;
+        if (nl == 0 || nl > 1024) { r = fail(CM384_E_FORMAT, "%s: tensor %llu has a name of %llu bytes", path,
+                                            (unsigned long long)i, (unsigned long long)nl); break; }
+        if (!(ti->name = arena_strndup(a, (const char *)ns, (size_t)nl))) { r = fail(CM384_E_NOMEM, "out of memory"); break; }
+        if ((r = gguf_u32(&rd, &nd, ti->name))) break;
+        if (nd < 1 || nd > 4) { r = fail(CM384_E_FORMAT, "%s: tensor \"%s\" has %u dimensions (1 to 4)", path, ti->name, nd); break; }
+        uint64_t numel = 1;
+        for (uint32_t d = 0; d < nd && !r; d++) {
+            if ((r = gguf_u64(&rd, &ne[d], ti->name))) break;
+            if (ne[d] < 1 || ne[d] > ((uint64_t)1 << 40) || numel > ((uint64_t)1 << 48) / ne[d])
+                r = fail(CM384_E_FORMAT, "%s: tensor \"%s\": dimension %u is %llu", path, ti->name, d, (unsigned long long)ne[d]);
+            else numel *= ne[d];
+        }
+        if (r || (r = gguf_u32(&rd, &type, ti->name)) || (r = gguf_u64(&rd, &offs[i], ti->name))) break;
+        ti->dtype = gguf_ggml_type(type, &ti->dtype_name);
+        if (ti->dtype == -2) { r = fail(CM384_E_UNSUPPORTED, "%s: tensor \"%s\" has unknown ggml type %u", path, ti->name, type); break; }
+        ti->ndim = (int)nd;
+        for (uint32_t d = 0; d < nd; d++) ti->shape[d] = (int64_t)ne[nd - 1 - d];
+        ti->file = file_index;
+        if (ti->dtype >= 0) {
+            int bs = gl_type_block(ti->dtype);
+            if (ne[0] % (uint64_t)bs) {
+                r = fail(CM384_E_FORMAT, "%s: tensor \"%s\": rows of %llu values are not whole %s blocks of %d",
+                         path, ti->name, (unsigned long long)ne[0], ti->dtype_name, bs);
+                break;
+            }
+            ti->nbytes = gl_row_bytes(ti->dtype, (int)ne[0]) * (size_t)(numel / ne[0]);
+        }
+    }
+    if (!r) {
+        size_t data = (rd.pos + g->alignment - 1) / g->alignment * g->alignment;
+        if (data > f->size) r = fail(CM384_E_FORMAT, "%s: the tensor data would start past the end of the file", path);
+        for (uint64_t i = 0; i < n_tensors && !r; i++) {
+            tensor_info *ti = &infos[i];
+            if (offs[i] % g->alignment)
+                r = fail(CM384_E_FORMAT, "%s: tensor \"%s\": offset %llu is not a multiple of the alignment %u",
+                         path, ti->name, (unsigned long long)offs[i], g->alignment);
+            else if (ti->dtype >= 0 && (offs[i] > f->size - data || ti->nbytes > f->size - data - offs[i]))
+                r = fail(CM384_E_FORMAT, "%s: tensor \"%s\" (%zu bytes at offset %llu) runs past the end of the "
+                         "file (truncated?)", path, ti->name, ti->nbytes, (unsigned long long)offs[i]);
+            if (r) break;
+            ti->data = f->data + data + (size_t)offs[i];
+            int ins = tensor_insert(tt, ti);
+            if (ins < 0) r = ins;
+            else if (ins == 1) r = fail(CM384_E_FORMAT, "%s: tensor \"%s\" appears twice", path, ti->name);
+        }
+    }
+    free(infos);
+    free(offs);
+    return r;
+}
+
+static const gguf_kv *gguf_find(const gguf_meta *g, const char *key) {
+    for (int i = 0; i < g->n_kv; i++)
+        if (!strcmp(g->kv[i].key, key)) return &g->kv[i];
+    return NULL;
+}
+
 /* ---- the model: weights bound to names and shapes ---- */
 
 typedef struct ffn_w { gl_mat gate, up, down; } ffn_w;   /* down(silu(gate x) * up x) */
@@ -3662,7 +3984,7 @@ static int bind_layer(cm384_model *m, int l) {
         } else {
             gl_mat v = L->wkv_b;
             v.rows = hp->v_head;
-            v.data = (const uint8_t *)L->wkv_b.data + (size_t)(base + hp->qk_nope) * hp->kv_lora * gl_type_size(v.type);
+            v.data = (const uint8_t *)L->wkv_b.data + (size_t)(base + hp->qk_nope) * gl_row_bytes(v.type, hp->kv_lora);
             L->w_uv[h] = v;
         }
     }
@@ -3819,6 +4141,17 @@ static int load_tokenizer_files(cm384_model *m, const char *dir, int required) {
 }
 
 static int model_q8_at_load(cm384_model *m, int make);      /* section 9 */
+static void model_finish(cm384_model *m) {
+    const hparams *hp = &m->hp;
+    rope_setup(m);
+    /* active parameters per token, as DeepSeek counts them: the main model
+       without the embedding table and without the routed experts a token
+       does not visit */
+    uint64_t expert = 3ull * hp->dim * hp->moe_inter, n_moe = 0;
+    for (int l = 0; l < hp->n_layers; l++) n_moe += m->layers[l].is_moe;
+    m->n_active_params = m->n_params - m->n_mtp_params - (uint64_t)hp->vocab * hp->dim -
+                         n_moe * expert * (uint64_t)(hp->n_routed - hp->top_k);
+}
 
 static int model_load_dir(cm384_model *m, const char *dir, const cm384_load_opts *o) {
     int r;
@@ -3874,17 +4207,9 @@ static int model_load_dir(cm384_model *m, const char *dir, const cm384_load_opts
         if ((r = bind_layer(m, l))) return r;
         if (m->layers[l].wkv_a.type != GL_BF16 || l == 0) m->main_dtype = m->layers[l].wkv_a.type;
     }
-    rope_setup(m);
+    model_finish(m);
     m->progress_done = m->progress_total;          /* the stage ends at 100% */
     if ((r = report_progress(m, "tensors", 0))) return r;
-
-    /* active parameters per token, as DeepSeek counts them: the main model
-       without the embedding table and without the routed experts a token
-       does not visit */
-    uint64_t expert = 3ull * hp->dim * hp->moe_inter, n_moe = 0;
-    for (int l = 0; l < hp->n_layers; l++) n_moe += m->layers[l].is_moe;
-    m->n_active_params = m->n_params - m->n_mtp_params - (uint64_t)hp->vocab * hp->dim -
-                         n_moe * expert * (uint64_t)(hp->n_routed - hp->top_k);
 
     if (o->check_values) {
         /* scan every bound weight for NaN/Inf (slow; off by default) */
@@ -3915,6 +4240,448 @@ static int model_load_dir(cm384_model *m, const char *dir, const cm384_load_opts
     return model_q8_at_load(m, o->int8);
 }
 
+/* ---- GGUF models: llama.cpp's deepseek2 architecture ----
+ * llama.cpp converts DeepSeek-V2/V2-Lite/V3/R1 (and V3-layout models such as
+ * Moonlight and Kimi-K2) to architecture "deepseek2": hyper-parameters under
+ * "deepseek2.*", tensors "blk.N.*" with the routed experts stacked into one
+ * [n_expert][rows][cols] tensor per projection, and kv_b_proj either whole
+ * (attn_kv_b, older files) or split per head into attn_k_b = W_uk^T
+ * [H][kv_lora][nope] and attn_v_b = W_uv [H][v][kv_lora] -- exactly the
+ * absorbed matrices cm384 computes with, so they are bound in place.  The
+ * routing method is not stored: sigmoid gating means DeepSeek-V3's noaux_tc
+ * (with the expert bias), softmax means V2's greedy top-k, group-limited
+ * (each group's best score) when there are expert groups, as DeepSeek's
+ * reference code does. */
+
+typedef struct { const gguf_meta *g; const char *path; char arch[32]; } gguf_cfg;
+
+static const gguf_kv *gcfg_find(const gguf_cfg *c, const char *name) {
+    char key[128];
+    snprintf(key, sizeof key, "%s.%s", c->arch, name);
+    return gguf_find(c->g, key);
+}
+
+/* An integer of the architecture; missing -> dflt (required: an error). */
+static int gcfg_int(const gguf_cfg *c, const char *name, int dflt, int required, int *out) {
+    const gguf_kv *kv = gcfg_find(c, name);
+    if (!kv) {
+        if (required) return fail(CM384_E_FORMAT, "%s: no metadata \"%s.%s\"", c->path, c->arch, name);
+        *out = dflt;
+        return CM384_OK;
+    }
+    if (kv->type == GGUF_STR || kv->type == GGUF_ARR || kv->type == GGUF_F32 || kv->type == GGUF_F64 ||
+        kv->num < 0 || kv->num > 1e9)
+        return fail(CM384_E_FORMAT, "%s: metadata \"%s\" must be a non-negative integer", c->path, kv->key);
+    *out = (int)kv->num;
+    return CM384_OK;
+}
+
+static int gcfg_num(const gguf_cfg *c, const char *name, double dflt, double *out) {
+    const gguf_kv *kv = gcfg_find(c, name);
+    if (!kv) { *out = dflt; return CM384_OK; }
+    if (kv->type == GGUF_STR || kv->type == GGUF_ARR || !isfinite(kv->num))
+        return fail(CM384_E_FORMAT, "%s: metadata \"%s\" must be a number", c->path, kv->key);
+    *out = kv->num;
+    return CM384_OK;
+}
+
+/* A string value as (pointer, length) into the file; NULL if absent or not a string. */
+static const char *gguf_strval(const gguf_meta *g, const char *key, size_t *len) {
+    const gguf_kv *kv = gguf_find(g, key);
+    if (!kv || kv->type != GGUF_STR) return NULL;
+    *len = (size_t)kv->n;
+    return (const char *)kv->p;
+}
+
+static int gguf_hparams(const gguf_cfg *c, const tensor_table *tt, hparams *hp) {
+    memset(hp, 0, sizeof *hp);
+    int r = 0, block_count = 0, kl_mla = 0, vl_mla = 0, kl = 0, vl = 0, gating = 0, norm = 0;
+    double d;
+    r |= gcfg_int(c, "block_count", 0, 1, &block_count);
+    r |= gcfg_int(c, "nextn_predict_layers", 0, 0, &hp->n_mtp);
+    r |= gcfg_int(c, "embedding_length", 0, 1, &hp->dim);
+    r |= gcfg_int(c, "feed_forward_length", 0, 0, &hp->inter);
+    r |= gcfg_int(c, "expert_feed_forward_length", 0, 0, &hp->moe_inter);
+    r |= gcfg_int(c, "attention.head_count", 0, 1, &hp->n_heads);
+    r |= gcfg_int(c, "attention.q_lora_rank", 0, 0, &hp->q_lora);
+    r |= gcfg_int(c, "attention.kv_lora_rank", 0, 1, &hp->kv_lora);
+    r |= gcfg_int(c, "rope.dimension_count", 0, 1, &hp->qk_rope);
+    r |= gcfg_int(c, "attention.key_length_mla", 0, 0, &kl_mla);
+    r |= gcfg_int(c, "attention.value_length_mla", 0, 0, &vl_mla);
+    r |= gcfg_int(c, "attention.key_length", 0, 0, &kl);
+    r |= gcfg_int(c, "attention.value_length", 0, 0, &vl);
+    r |= gcfg_int(c, "leading_dense_block_count", 0, 0, &hp->n_dense);
+    r |= gcfg_int(c, "expert_count", 0, 0, &hp->n_routed);
+    r |= gcfg_int(c, "expert_shared_count", 0, 0, &hp->n_shared);
+    r |= gcfg_int(c, "expert_used_count", 0, 0, &hp->top_k);
+    r |= gcfg_int(c, "expert_group_count", 1, 0, &hp->n_group);
+    r |= gcfg_int(c, "expert_group_used_count", 1, 0, &hp->topk_group);
+    r |= gcfg_int(c, "expert_gating_func", 1, 0, &gating);
+    r |= gcfg_int(c, "context_length", 4096, 0, &hp->max_pos);
+    r |= gcfg_num(c, "expert_weights_norm", 0, &d); norm = d != 0;
+    r |= gcfg_num(c, "expert_weights_scale", 1.0, &d); hp->route_scale = (float)d;
+    r |= gcfg_num(c, "rope.freq_base", 10000.0, &hp->rope_theta);
+    r |= gcfg_num(c, "attention.layer_norm_rms_epsilon", 1e-6, &d); hp->eps = (float)d;
+    if (r) return CM384_E_FORMAT;
+    if (hp->n_group < 1) hp->n_group = 1;
+    if (hp->topk_group < 1) hp->topk_group = 1;
+    /* MLA head sizes: the "_mla" keys in files with split k_b / v_b, else
+       key_length = nope + rope and value_length = v per head */
+    hp->qk_nope = (kl_mla ? kl_mla : kl) - hp->qk_rope;
+    hp->v_head = vl_mla ? vl_mla : vl;
+    if (hp->qk_nope <= 0 || hp->v_head <= 0)
+        return fail(CM384_E_FORMAT, "%s: attention key/value lengths (%d, %d) do not leave MLA head sizes "
+                    "(rope dimension %d)", c->path, kl_mla ? kl_mla : kl, hp->v_head, hp->qk_rope);
+    if (gating != 1 && gating != 2)
+        return fail(CM384_E_UNSUPPORTED, "%s: expert_gating_func %d (1 softmax, 2 sigmoid)", c->path, gating);
+    hp->score_func = gating == 2 ? SCORE_SIGMOID : SCORE_SOFTMAX;
+    hp->arch = gating == 2 ? ARCH_V3 : ARCH_V2;
+    hp->topk_method = gating == 2 ? TOPK_NOAUX_TC : hp->n_group > 1 ? TOPK_GROUP_LIMITED : TOPK_GREEDY;
+    hp->norm_topk = norm;
+    hp->moe_freq = 1;
+    /* nextn layers are counted in block_count; used when their tensors are there */
+    if (hp->n_mtp < 0 || hp->n_mtp > block_count)
+        return fail(CM384_E_FORMAT, "%s: nextn_predict_layers %d of %d blocks", c->path, hp->n_mtp, block_count);
+    hp->n_layers = block_count - hp->n_mtp;
+    char probe[64];
+    snprintf(probe, sizeof probe, "blk.%d.nextn.eh_proj.weight", hp->n_layers);
+    if (!tensor_find(tt, probe)) hp->n_mtp = 0;
+    if (hp->n_mtp > 1) hp->n_mtp = 1;
+    /* vocab: the key, else the embedding's rows */
+    const tensor_info *emb = tensor_find(tt, "token_embd.weight");
+    r = gcfg_int(c, "vocab_size", emb && emb->ndim == 2 ? (int)emb->shape[0] : 0, 0, &hp->vocab);
+    if (r) return r;
+    hp->tie_emb = !tensor_find(tt, "output.weight");
+    size_t sl;
+    const char *st = gguf_strval(c->g, "deepseek2.rope.scaling.type", &sl);
+    if (!st) {
+        char key[96];
+        snprintf(key, sizeof key, "%s.rope.scaling.type", c->arch);
+        st = gguf_strval(c->g, key, &sl);
+    }
+    if (st && !(sl == 4 && !memcmp(st, "none", 4))) {
+        if (!(sl == 4 && !memcmp(st, "yarn", 4)))
+            return fail(CM384_E_UNSUPPORTED, "%s: rope.scaling.type \"%.*s\" (only yarn)", c->path, (int)sl, st);
+        double log_mul = 0;
+        hp->yarn = 1;
+        r |= gcfg_num(c, "rope.scaling.factor", 1.0, &hp->yarn_factor);
+        r |= gcfg_int(c, "rope.scaling.original_context_length", 4096, 0, &hp->yarn_orig_max);
+        r |= gcfg_num(c, "rope.scaling.yarn_beta_fast", 32, &hp->beta_fast);
+        r |= gcfg_num(c, "rope.scaling.yarn_beta_slow", 1, &hp->beta_slow);
+        r |= gcfg_num(c, "rope.scaling.yarn_log_multiplier", 0, &log_mul);
+        if (r) return CM384_E_FORMAT;
+        /* the converter writes 0.1 * mscale_all_dim; mscale itself is not kept
+           (llama.cpp assumes mscale == mscale_all_dim, as V3's configs have it) */
+        hp->mscale_all_dim = hp->mscale = log_mul / 0.1;
+        if (hp->yarn_factor <= 1.0) hp->yarn = 0;
+    }
+    /* the same sanity checks as config.json */
+    struct { const char *name; int v; } need[] = {
+        {"vocab_size", hp->vocab}, {"embedding_length", hp->dim}, {"block_count", hp->n_layers},
+        {"attention.head_count", hp->n_heads}, {"attention.kv_lora_rank", hp->kv_lora},
+        {"rope.dimension_count", hp->qk_rope}};
+    for (size_t i = 0; i < sizeof need / sizeof need[0]; i++)
+        if (need[i].v <= 0) return fail(CM384_E_FORMAT, "%s: \"%s.%s\" missing or zero", c->path, c->arch, need[i].name);
+    if (hp->qk_rope % 2) return fail(CM384_E_FORMAT, "%s: rope.dimension_count must be even", c->path);
+    if (hp->n_routed > 0) {
+        if (hp->top_k <= 0 || hp->top_k > hp->n_routed || hp->moe_inter <= 0)
+            return fail(CM384_E_FORMAT, "%s: bad MoE sizes (expert_used_count %d, expert_count %d, "
+                        "expert_feed_forward_length %d)", c->path, hp->top_k, hp->n_routed, hp->moe_inter);
+        if (hp->n_routed % hp->n_group || hp->topk_group > hp->n_group)
+            return fail(CM384_E_FORMAT, "%s: expert groups %d / %d do not divide %d experts",
+                        c->path, hp->n_group, hp->topk_group, hp->n_routed);
+        if (hp->top_k > 64 || hp->n_routed > 1024 || hp->n_group > 256)
+            return fail(CM384_E_UNSUPPORTED, "%s: more than 64 experts per token, 1024 experts or 256 groups", c->path);
+    }
+    if ((hp->n_dense > 0 || hp->n_routed == 0) && hp->inter <= 0)
+        return fail(CM384_E_FORMAT, "%s: feed_forward_length missing", c->path);
+    const gguf_kv *b = gguf_find(c->g, "tokenizer.ggml.bos_token_id"), *e = gguf_find(c->g, "tokenizer.ggml.eos_token_id");
+    hp->bos = b && b->type != GGUF_STR && b->type != GGUF_ARR && b->num >= 0 && b->num < hp->vocab ? (int)b->num : -1;
+    hp->eos = e && e->type != GGUF_STR && e->type != GGUF_ARR && e->num >= 0 && e->num < hp->vocab ? (int)e->num : -1;
+    return CM384_OK;
+}
+
+/* Binds item idx of a stacked 3-D tensor [n][R][cols], rows [row0, row0+rows). */
+static int bind_slice(cm384_model *m, const char *name, int idx, int n, int row0, int rows, int R, int cols, gl_mat *out) {
+    memset(out, 0, sizeof *out);
+    tensor_info *t = tensor_find(&m->tensors, name);
+    if (!t) return fail(CM384_E_FORMAT, "%s: missing tensor \"%s\" (expected shape [%d, %d, %d])", m->path, name, n, R, cols);
+    if (t->dtype < 0 || t->dtype == GL_F8_E4M3)
+        return fail(CM384_E_UNSUPPORTED, "%s: tensor \"%s\" has type %s; GGUF weights must be F32, F16, BF16, "
+                    "Q8_0, Q4_0, Q4_K, Q5_K or Q6_K", shard_name(m, t), name, t->dtype_name);
+    if (t->ndim != 3 || t->shape[0] != n || t->shape[1] != R || t->shape[2] != cols)
+        return fail(CM384_E_FORMAT, "%s: tensor \"%s\" has the wrong shape (expected [%d, %d, %d])",
+                    shard_name(m, t), name, n, R, cols);
+    size_t rb = gl_row_bytes(t->dtype, cols);
+    out->type = t->dtype;
+    out->rows = rows;
+    out->cols = cols;
+    out->data = t->data + ((size_t)idx * (size_t)R + (size_t)row0) * rb;
+    m->n_params += (uint64_t)rows * (uint64_t)cols;
+    if (m->binding_mtp) m->n_mtp_params += (uint64_t)rows * (uint64_t)cols;
+    m->weight_bytes += (uint64_t)rows * rb;
+    return CM384_OK;
+}
+
+static int bind_layer_gguf(cm384_model *m, int l) {
+    const hparams *hp = &m->hp;
+    layer_w *L = &m->layers[l];
+    char n[160], n2[160];
+    int r, H = hp->n_heads, qk = hp->qk_nope + hp->qk_rope, D = hp->dim;
+#define GN(fmt) (snprintf(n, sizeof n, "blk.%d." fmt, l), n)
+    if ((r = bind_vec(m, GN("attn_norm.weight"), D, &L->attn_norm, 1))) return r;
+    if ((r = bind_vec(m, GN("ffn_norm.weight"), D, &L->ffn_norm, 1))) return r;
+    if (hp->q_lora) {
+        if ((r = bind_mat(m, GN("attn_q_a.weight"), hp->q_lora, D, &L->wq_a, 1))) return r;
+        if ((r = bind_vec(m, GN("attn_q_a_norm.weight"), hp->q_lora, &L->q_norm, 1))) return r;
+        if ((r = bind_mat(m, GN("attn_q_b.weight"), H * qk, hp->q_lora, &L->wq_b, 1))) return r;
+    } else {
+        if ((r = bind_mat(m, GN("attn_q.weight"), H * qk, D, &L->wq, 1))) return r;
+    }
+    if ((r = bind_mat(m, GN("attn_kv_a_mqa.weight"), hp->kv_lora + hp->qk_rope, D, &L->wkv_a, 1))) return r;
+    if ((r = bind_vec(m, GN("attn_kv_a_norm.weight"), hp->kv_lora, &L->kv_norm, 1))) return r;
+    if ((r = bind_mat(m, GN("attn_output.weight"), D, H * hp->v_head, &L->wo, 1))) return r;
+    L->w_uk_t = arena_alloc(&m->a, (size_t)H * sizeof(gl_mat));
+    L->w_uv = arena_alloc(&m->a, (size_t)H * sizeof(gl_mat));
+    if (!L->w_uk_t || !L->w_uv) return fail(CM384_E_NOMEM, "out of memory");
+    if (tensor_find(&m->tensors, GN("attn_k_b.weight"))) {
+        snprintf(n2, sizeof n2, "blk.%d.attn_v_b.weight", l);
+        for (int h = 0; h < H; h++) {
+            if ((r = bind_slice(m, n, h, H, 0, hp->kv_lora, hp->kv_lora, hp->qk_nope, &L->w_uk_t[h]))) return r;
+            if ((r = bind_slice(m, n2, h, H, 0, hp->v_head, hp->v_head, hp->kv_lora, &L->w_uv[h]))) return r;
+        }
+    } else {
+        /* older files: kv_b whole; W_uk^T derived as for safetensors (in fp32
+           for block formats: their values times a transpose need no rounding) */
+        if ((r = bind_mat(m, GN("attn_kv_b.weight"), H * (hp->qk_nope + hp->v_head), hp->kv_lora, &L->wkv_b, 1)))
+            return r;
+        for (int h = 0; h < H; h++) {
+            int base = h * (hp->qk_nope + hp->v_head);
+            if ((r = derive_mat(m, &L->wkv_b, base, hp->qk_nope, 1, &L->w_uk_t[h]))) return r;
+            gl_mat v = L->wkv_b;
+            v.rows = hp->v_head;
+            v.data = (const uint8_t *)L->wkv_b.data + (size_t)(base + hp->qk_nope) * gl_row_bytes(v.type, hp->kv_lora);
+            L->w_uv[h] = v;
+        }
+    }
+    L->is_moe = layer_is_moe(hp, l);
+    if (!L->is_moe) {
+        if ((r = bind_mat(m, GN("ffn_gate.weight"), hp->inter, D, &L->dense.gate, 1))) return r;
+        if ((r = bind_mat(m, GN("ffn_up.weight"), hp->inter, D, &L->dense.up, 1))) return r;
+        if ((r = bind_mat(m, GN("ffn_down.weight"), D, hp->inter, &L->dense.down, 1))) return r;
+    } else {
+        int E = hp->n_routed, F = hp->moe_inter;
+        if ((r = bind_mat(m, GN("ffn_gate_inp.weight"), E, D, &L->router, 1))) return r;
+        if ((r = bind_vec(m, GN("exp_probs_b.bias"), E, &L->router_bias, hp->topk_method == TOPK_NOAUX_TC))) return r;
+        L->experts = arena_alloc(&m->a, (size_t)E * sizeof(ffn_w));
+        if (!L->experts) return fail(CM384_E_NOMEM, "out of memory");
+        int fused = tensor_find(&m->tensors, GN("ffn_gate_up_exps.weight")) != NULL;
+        char ng[160], nu[160], nd[160];
+        snprintf(ng, sizeof ng, "blk.%d.%s.weight", l, fused ? "ffn_gate_up_exps" : "ffn_gate_exps");
+        snprintf(nu, sizeof nu, "blk.%d.%s.weight", l, fused ? "ffn_gate_up_exps" : "ffn_up_exps");
+        snprintf(nd, sizeof nd, "blk.%d.ffn_down_exps.weight", l);
+        for (int e = 0; e < E; e++) {
+            ffn_w *f = &L->experts[e];
+            if ((r = bind_slice(m, ng, e, E, 0, F, fused ? 2 * F : F, D, &f->gate))) return r;
+            if ((r = bind_slice(m, nu, e, E, fused ? F : 0, F, fused ? 2 * F : F, D, &f->up))) return r;
+            if ((r = bind_slice(m, nd, e, E, 0, D, D, F, &f->down))) return r;
+        }
+        if (hp->n_shared > 0) {
+            int S = F * hp->n_shared;
+            if ((r = bind_mat(m, GN("ffn_gate_shexp.weight"), S, D, &L->shared.gate, 1))) return r;
+            if ((r = bind_mat(m, GN("ffn_up_shexp.weight"), S, D, &L->shared.up, 1))) return r;
+            if ((r = bind_mat(m, GN("ffn_down_shexp.weight"), D, S, &L->shared.down, 1))) return r;
+        }
+    }
+    if (l >= hp->n_layers) {
+        if ((r = bind_vec(m, GN("nextn.enorm.weight"), D, &L->enorm, 1))) return r;
+        if ((r = bind_vec(m, GN("nextn.hnorm.weight"), D, &L->hnorm, 1))) return r;
+        if ((r = bind_mat(m, GN("nextn.eh_proj.weight"), D, 2 * D, &L->eh_proj, 1))) return r;
+        if ((r = bind_vec(m, GN("nextn.shared_head_norm.weight"), D, &L->head_norm, 1))) return r;
+        if ((r = bind_mat(m, GN("nextn.embed_tokens.weight"), hp->vocab, D, &L->embed, 0))) return r;
+        if ((r = bind_mat(m, GN("nextn.shared_head_head.weight"), hp->vocab, D, &L->head, 0))) return r;
+        if (!L->embed.data) L->embed = m->embed;
+        if (!L->head.data) L->head = m->head;
+    }
+#undef GN
+    return CM384_OK;
+}
+
+static void sb_json_str(strbuf *b, const char *s, size_t n) {
+    sb_putn(b, "\"", 1);
+    for (size_t i = 0; i < n; i++) {
+        unsigned char ch = (unsigned char)s[i];
+        char esc[8];
+        if (ch == '"' || ch == '\\') { esc[0] = '\\'; esc[1] = (char)ch; sb_putn(b, esc, 2); }
+        else if (ch < 0x20) { snprintf(esc, sizeof esc, "\\u%04x", ch); sb_putn(b, esc, 6); }
+        else sb_putn(b, (const char *)&ch, 1);
+    }
+    sb_putn(b, "\"", 1);
+}
+
+/* GGUF token types (llama.cpp's llama_token_type). */
+enum { GGUF_TOK_NORMAL = 1, GGUF_TOK_UNKNOWN = 2, GGUF_TOK_CONTROL = 3, GGUF_TOK_USER_DEFINED = 4,
+       GGUF_TOK_UNUSED = 5, GGUF_TOK_BYTE = 6 };
+
+/* The tokenizer a GGUF file carries (tokenizer.ggml.*), read through the
+ * same code as tokenizer.json: the arrays are written out as the
+ * tokenizer.json they came from -- every token in the vocab at its id,
+ * control and user-defined tokens also as added tokens (special / not), the
+ * merges, and the pre-tokenizer the file names. */
+static int gguf_tokenizer(tokenizer **out, const char *path, const gguf_meta *g) {
+    *out = NULL;
+    size_t ml, pl;
+    const char *model = gguf_strval(g, "tokenizer.ggml.model", &ml), *pre = gguf_strval(g, "tokenizer.ggml.pre", &pl);
+    const gguf_kv *toks = gguf_find(g, "tokenizer.ggml.tokens"), *types = gguf_find(g, "tokenizer.ggml.token_type");
+    const gguf_kv *merges = gguf_find(g, "tokenizer.ggml.merges");
+    if (!model) return fail(CM384_E_FORMAT, "%s: no tokenizer (tokenizer.ggml.model)", path);
+    if (!(ml == 4 && !memcmp(model, "gpt2", 4)))
+        return fail(CM384_E_UNSUPPORTED, "%s: tokenizer.ggml.model \"%.*s\" (only gpt2: byte-level BPE)", path, (int)ml, model);
+    if (!toks || toks->type != GGUF_ARR || toks->arr_type != GGUF_STR || toks->n == 0 || toks->n > TOK_MAX_ID)
+        return fail(CM384_E_FORMAT, "%s: tokenizer.ggml.tokens must be a non-empty array of strings", path);
+    if (types && (types->type != GGUF_ARR || types->arr_type != GGUF_I32 || types->n != toks->n))
+        return fail(CM384_E_FORMAT, "%s: tokenizer.ggml.token_type must be an i32 array as long as the tokens", path);
+    if (merges && (merges->type != GGUF_ARR || merges->arr_type != GGUF_STR))
+        return fail(CM384_E_FORMAT, "%s: tokenizer.ggml.merges must be an array of strings", path);
+    const char *pre_json;
+    if (!pre || (pl == 7 && !memcmp(pre, "default", 7))) pre_json = "{\"type\":\"ByteLevel\",\"add_prefix_space\":false,\"use_regex\":true}";
+    else if (pl == 11 && !memcmp(pre, "deepseek-v3", 11)) pre_json = gguf_pre_deepseek_v3;
+    else if (pl == 12 && !memcmp(pre, "deepseek-llm", 12)) pre_json = gguf_pre_deepseek_llm;
+    else return fail(CM384_E_UNSUPPORTED, "%s: pre-tokenizer \"%.*s\" (supported: deepseek-v3, deepseek-llm, default)",
+                     path, (int)pl, pre);
+    strbuf b = {0};
+    sb_puts(&b, "{\"model\":{\"type\":\"BPE\",\"vocab\":{");
+    const uint8_t *p = toks->p;
+    int first = 1;
+    /* added tokens as a second list, written after the vocab */
+    strbuf added = {0};
+    sb_puts(&added, "\"added_tokens\":[");
+    int first_added = 1;
+    for (uint64_t i = 0; i < toks->n; i++) {
+        uint64_t len = gguf_le(p, 8);
+        const char *s = (const char *)p + 8;
+        p += 8 + len;
+        int type = types ? (int)(int32_t)gguf_le(types->p + 4 * i, 4) : GGUF_TOK_NORMAL;
+        if (type == GGUF_TOK_UNUSED) continue;
+        if (!first) sb_puts(&b, ",");
+        first = 0;
+        sb_json_str(&b, s, (size_t)len);
+        char num[48];
+        snprintf(num, sizeof num, ":%llu", (unsigned long long)i);
+        sb_puts(&b, num);
+        if (type == GGUF_TOK_CONTROL || type == GGUF_TOK_USER_DEFINED) {
+            if (!first_added) sb_puts(&added, ",");
+            first_added = 0;
+            snprintf(num, sizeof num, "{\"id\":%llu,\"content\":", (unsigned long long)i);
+            sb_puts(&added, num);
+            sb_json_str(&added, s, (size_t)len);
+            sb_puts(&added, type == GGUF_TOK_CONTROL ? ",\"special\":true,\"normalized\":false}"
+                                                     : ",\"special\":false,\"normalized\":true}");
+        }
+    }
+    sb_puts(&b, "},\"merges\":[");
+    p = merges ? merges->p : NULL;
+    for (uint64_t i = 0; merges && i < merges->n; i++) {
+        uint64_t len = gguf_le(p, 8);
+        if (i) sb_puts(&b, ",");
+        sb_json_str(&b, (const char *)p + 8, (size_t)len);
+        p += 8 + len;
+    }
+    sb_puts(&b, "]},");
+    sb_puts(&added, "],");
+    if (added.p) sb_putn(&b, added.p, added.n);
+    free(added.p);
+    sb_puts(&b, "\"pre_tokenizer\":");
+    sb_puts(&b, pre_json);
+    sb_puts(&b, ",\"decoder\":{\"type\":\"ByteLevel\"}}");
+    if (b.oom || added.oom) { free(b.p); return fail(CM384_E_NOMEM, "%s: out of memory for the tokenizer", path); }
+
+    tok_loader L;
+    memset(&L, 0, sizeof L);
+    L.path = path;
+    L.t = calloc(1, sizeof *L.t);
+    json root;
+    int r = L.t ? json_parse(b.p, b.n, &L.tmp, &root, path) : fail(CM384_E_NOMEM, "%s: out of memory", path);
+    if (!r) r = tokenizer_build(&L, &root);
+    if (!r) {
+        tokenizer *t = L.t;
+        /* the name the file gives, as written (tokenizer_build matched it too) */
+        const gguf_kv *bk = gguf_find(g, "tokenizer.ggml.bos_token_id"), *ek = gguf_find(g, "tokenizer.ggml.eos_token_id");
+        t->bos_id = bk && bk->type != GGUF_STR && bk->type != GGUF_ARR && bk->num >= 0 && bk->num < t->n_ids ? (int)bk->num : -1;
+        t->eos_id = ek && ek->type != GGUF_STR && ek->type != GGUF_ARR && ek->num >= 0 && ek->num < t->n_ids ? (int)ek->num : -1;
+        t->bos_text = "";
+        if (t->bos_id >= 0) {
+            const char *bt = L.text[t->bos_id];
+            char *copy = bt ? arena_strndup(&t->mem, bt, (size_t)L.text_len[t->bos_id]) : NULL;
+            if (bt && !copy) r = fail(CM384_E_NOMEM, "%s: out of memory", path);
+            if (copy) t->bos_text = copy;
+        }
+        t->eos_text = "";
+        if (!r && t->eos_id >= 0 && L.text[t->eos_id]) {
+            char *copy = arena_strndup(&t->mem, L.text[t->eos_id], (size_t)L.text_len[t->eos_id]);
+            if (!copy) r = fail(CM384_E_NOMEM, "%s: out of memory", path);
+            else t->eos_text = copy;
+        }
+        t->chat_format = CM384_E_NOT_FOUND;
+        size_t tl;
+        const char *tpl = gguf_strval(g, "tokenizer.chat_template", &tl);
+        if (!r && tpl) r = tokenizer_keep_template(t, tpl, tl, path);
+    }
+    tok_loader_free(&L);
+    free(b.p);
+    if (r) { tokenizer_free(L.t); return r; }
+    *out = L.t;
+    return CM384_OK;
+}
+
+/* What both loaders finish with: RoPE tables and the active-parameter count. */
+static void model_finish(cm384_model *m);
+
+static int model_load_gguf(cm384_model *m, const char *path, const cm384_load_opts *o) {
+    int r;
+    m->files = calloc(1, sizeof *m->files);
+    m->file_names = calloc(1, sizeof *m->file_names);
+    if (!m->files || !m->file_names || !(m->file_names[0] = strdup(path))) return fail(CM384_E_NOMEM, "out of memory");
+    m->n_files = 1;
+    if ((r = file_map_open(&m->files[0], path, o->use_mmap))) return r;
+    gguf_meta g;
+    if ((r = gguf_read(&m->files[0], path, 0, &m->a, &g, &m->tensors))) return r;
+    m->progress_total = m->files[0].size;
+    size_t al;
+    const char *arch = gguf_strval(&g, "general.architecture", &al);
+    if (!arch) return fail(CM384_E_FORMAT, "%s: no general.architecture", path);
+    if (!(al == 9 && !memcmp(arch, "deepseek2", 9)))
+        return fail(CM384_E_UNSUPPORTED, "%s: architecture \"%.*s\" is not supported (only deepseek2: "
+                    "DeepSeek-V2, V2-Lite, V3, R1 and V3-layout models)", path, (int)(al < 64 ? al : 64), arch);
+    if (m->tensors.n == 0) {
+        /* a vocab-only file: a tokenizer-only model */
+        m->tokenizer_only = 1;
+        return gguf_tokenizer(&m->tok, path, &g);
+    }
+    gguf_cfg c = {&g, path, "deepseek2"};
+    if ((r = gguf_hparams(&c, &m->tensors, &m->hp))) return r;
+    hparams *hp = &m->hp;
+    if ((r = bind_mat(m, "token_embd.weight", hp->vocab, hp->dim, &m->embed, 1))) return r;
+    if ((r = bind_vec(m, "output_norm.weight", hp->dim, &m->final_norm, 1))) return r;
+    if ((r = bind_mat(m, "output.weight", hp->vocab, hp->dim, &m->head, !hp->tie_emb))) return r;
+    if (!m->head.data) m->head = m->embed;
+    m->main_dtype = m->embed.type;
+    int nl = hp->n_layers + hp->n_mtp;
+    m->layers = arena_alloc(&m->a, (size_t)nl * sizeof(layer_w));
+    m->rope_freq = arena_alloc(&m->a, (size_t)(hp->qk_rope / 2) * sizeof(float));
+    if (!m->layers || !m->rope_freq) return fail(CM384_E_NOMEM, "out of memory");
+    memset(m->layers, 0, (size_t)nl * sizeof(layer_w));
+    for (int l = 0; l < nl; l++) {
+        m->binding_mtp = l >= hp->n_layers;
+        if ((r = bind_layer_gguf(m, l))) return r;
+        if (l == 0 || (hp->n_routed > 0 && m->layers[l].is_moe && l < hp->n_layers))
+            m->main_dtype = m->layers[l].is_moe ? m->layers[l].experts[0].gate.type : m->layers[l].dense.gate.type;
+    }
+    model_finish(m);
+    if ((r = gguf_tokenizer(&m->tok, path, &g))) return r;
+    return CM384_OK;
+}
+
 int cm384_model_load(const char *path, const cm384_load_opts *opts, cm384_model **out) {
     if (out) *out = NULL;
     if (!path || !out) return fail(CM384_E_INVALID, "cm384_model_load: path and out must not be NULL");
@@ -3942,7 +4709,7 @@ int cm384_model_load(const char *path, const cm384_load_opts *opts, cm384_model 
     } else {
         size_t n = strlen(path);
         if (n >= 5 && !strcmp(path + n - 5, ".gguf")) {
-            r = fail(CM384_E_UNSUPPORTED, "%s: GGUF files are not supported yet; use the Hugging Face directory", path);
+            r = model_load_gguf(m, path, &o);
         } else if (n >= 5 && !strcmp(path + n - 5, ".json")) {
             /* a tokenizer.json on its own: a tokenizer-only model */
             char *dir = strdup(path), *slash = dir ? strrchr(dir, '/') : NULL;
@@ -3962,6 +4729,363 @@ int cm384_model_load(const char *path, const cm384_load_opts *opts, cm384_model 
     }
     if (r) { cm384_model_free(m); return r; }
     *out = m;
+    return CM384_OK;
+}
+
+/* ---- GGUF export ----
+ * Writes a loaded model as llama.cpp's converter would: architecture
+ * deepseek2, the hyper-parameters under deepseek2.*, the experts stacked,
+ * kv_b_proj split per head into attn_k_b (W_uk^T) and attn_v_b, norms,
+ * biases and the router in F32, the other matrices in the chosen type
+ * (Q8_0 falls back to F16 for rows that are not whole blocks, as the
+ * converter does), the tokenizer and chat template, and the MTP layer as
+ * blk.N.nextn.* when the model has one.  Rows are converted one at a time
+ * while writing: nothing is expanded in memory. */
+
+/* One tensor to write: `n_src` matrices of rows x cols stacked (or a vector). */
+typedef struct {
+    char          name[96];
+    int           type;          /* gl type written                            */
+    int           ndim;
+    int64_t       ne[3];         /* ggml order: cols first                      */
+    const gl_mat *src;           /* n_src matrices of rows x cols, or NULL      */
+    int           n_src, rows, cols;
+    const float  *vec;           /* or one fp32 vector of cols values           */
+    size_t        nbytes;
+    uint64_t      offset;
+} gw_tensor;
+
+typedef struct {
+    FILE       *f;
+    const char *path;
+    int         err;
+    uint64_t    n_kv;
+} gguf_writer;
+
+static void gw_bytes(gguf_writer *w, const void *p, size_t n) {
+    if (!w->err && n && fwrite(p, 1, n, w->f) != n) w->err = 1;
+}
+static void gw_u32(gguf_writer *w, uint32_t v) {
+    uint8_t b[4] = {(uint8_t)v, (uint8_t)(v >> 8), (uint8_t)(v >> 16), (uint8_t)(v >> 24)};
+    gw_bytes(w, b, 4);
+}
+static void gw_u64(gguf_writer *w, uint64_t v) { gw_u32(w, (uint32_t)v); gw_u32(w, (uint32_t)(v >> 32)); }
+static void gw_str(gguf_writer *w, const char *s, size_t n) { gw_u64(w, n); gw_bytes(w, s, n); }
+static void gw_key(gguf_writer *w, const char *key, int type) { gw_str(w, key, strlen(key)); gw_u32(w, (uint32_t)type); w->n_kv++; }
+static void gw_kv_u32(gguf_writer *w, const char *key, uint32_t v) { gw_key(w, key, GGUF_U32); gw_u32(w, v); }
+static void gw_kv_f32(gguf_writer *w, const char *key, float v) {
+    uint32_t u; memcpy(&u, &v, 4);
+    gw_key(w, key, GGUF_F32); gw_u32(w, u);
+}
+static void gw_kv_bool(gguf_writer *w, const char *key, int v) { gw_key(w, key, GGUF_BOOL); uint8_t b = (uint8_t)!!v; gw_bytes(w, &b, 1); }
+static void gw_kv_str(gguf_writer *w, const char *key, const char *s) { gw_key(w, key, GGUF_STR); gw_str(w, s, strlen(s)); }
+
+static uint32_t gw_ggml_type(int type) {
+    switch (type) {
+    case GL_F32: return 0;
+    case GL_F16: return 1;
+    case GL_BF16: return 30;
+    case GL_Q8_0: return 8;
+    default: return 0;
+    }
+}
+
+/* The token string llama.cpp's converter writes: a vocab token in GPT-2's
+ * byte-map characters, an added token as its text. */
+static void gw_token_text(const tokenizer *t, int id, strbuf *b) {
+    const char *p;
+    int n;
+    b->n = 0;
+    if (b->p) b->p[0] = 0;
+    if (tokenizer_piece(t, id, &p, &n) != 0) return;
+    if (!(t->piece_flags[id] & TOKF_BYTELEVEL)) { sb_putn(b, p, (size_t)n); return; }
+    for (int i = 0; i < n; i++) {
+        char u[4];
+        int k = utf8_put(u, bytelevel_cp((uint8_t)p[i]));
+        sb_putn(b, u, (size_t)k);
+    }
+}
+
+static int gw_looks_special(const char *s, size_t n) {
+    return (n >= 4 && !memcmp(s, "<|", 2) && !memcmp(s + n - 2, "|>", 2)) ||
+           (n >= 8 && !memcmp(s, "<｜", 4) && !memcmp(s + n - 4, "｜>", 4));
+}
+
+static int bpe_merge_rank_cmp(const void *a, const void *b) {
+    const bpe_merge *x = a, *y = b;
+    return x->rank < y->rank ? -1 : x->rank > y->rank;
+}
+
+static void gw_tokenizer(gguf_writer *w, const cm384_model *m) {
+    const tokenizer *t = m->tok;
+    int n = m->hp.vocab;
+    strbuf s = {0};
+    gw_kv_str(w, "tokenizer.ggml.model", "gpt2");
+    gw_kv_str(w, "tokenizer.ggml.pre", t->pre_name ? t->pre_name : "default");
+    gw_key(w, "tokenizer.ggml.tokens", GGUF_ARR);
+    gw_u32(w, GGUF_STR);
+    gw_u64(w, (uint64_t)n);
+    for (int id = 0; id < n; id++) {
+        if (id < t->n_ids && (t->piece_flags[id] & TOKF_EXISTS)) gw_token_text(t, id, &s);
+        else { char pad[32]; int k = snprintf(pad, sizeof pad, "[PAD%d]", id); s.n = 0; sb_putn(&s, pad, (size_t)k); }
+        gw_str(w, s.p ? s.p : "", s.n);
+    }
+    gw_key(w, "tokenizer.ggml.token_type", GGUF_ARR);
+    gw_u32(w, GGUF_I32);
+    gw_u64(w, (uint64_t)n);
+    for (int id = 0; id < n; id++) {
+        int type = GGUF_TOK_UNUSED;
+        if (id < t->n_ids && (t->piece_flags[id] & TOKF_EXISTS)) {
+            type = GGUF_TOK_NORMAL;
+            if (t->piece_flags[id] & TOKF_ADDED) {
+                const char *p; int k;
+                tokenizer_piece(t, id, &p, &k);
+                type = (t->piece_flags[id] & TOKF_SPECIAL) || gw_looks_special(p, (size_t)k) ? GGUF_TOK_CONTROL
+                                                                                             : GGUF_TOK_USER_DEFINED;
+            }
+        }
+        gw_u32(w, (uint32_t)type);
+    }
+    /* merges in rank order */
+    size_t nm = 0, cap = (size_t)t->merge_mask + 1;
+    bpe_merge *ms = malloc(cap * sizeof *ms);
+    if (!ms) { w->err = 2; free(s.p); return; }
+    for (size_t i = 0; i < cap; i++) if (t->merges[i].a != UINT32_MAX) ms[nm++] = t->merges[i];
+    qsort(ms, nm, sizeof *ms, bpe_merge_rank_cmp);
+    gw_key(w, "tokenizer.ggml.merges", GGUF_ARR);
+    gw_u32(w, GGUF_STR);
+    gw_u64(w, nm);
+    strbuf a = {0};
+    for (size_t i = 0; i < nm; i++) {
+        gw_token_text(t, (int)ms[i].a, &s);
+        gw_token_text(t, (int)ms[i].b, &a);
+        gw_u64(w, s.n + 1 + a.n);
+        gw_bytes(w, s.p, s.n);
+        gw_bytes(w, " ", 1);
+        gw_bytes(w, a.p, a.n);
+    }
+    free(ms);
+    free(a.p);
+    free(s.p);
+    if (t->bos_id >= 0) gw_kv_u32(w, "tokenizer.ggml.bos_token_id", (uint32_t)t->bos_id);
+    if (t->eos_id >= 0) gw_kv_u32(w, "tokenizer.ggml.eos_token_id", (uint32_t)t->eos_id);
+    if (t->chat_template) gw_kv_str(w, "tokenizer.chat_template", t->chat_template);
+}
+
+/* Adds a tensor of n_src stacked matrices (n_src 0: one matrix, 2-D). */
+static void gw_add(gw_tensor *ts, int *nt, int out_type, const char *name, const gl_mat *src, int n_src) {
+    gw_tensor *x = &ts[(*nt)++];
+    memset(x, 0, sizeof *x);
+    snprintf(x->name, sizeof x->name, "%s", name);
+    x->src = src;
+    x->n_src = n_src ? n_src : 1;
+    x->rows = src[0].rows;
+    x->cols = src[0].cols;
+    x->type = out_type;
+    if (x->type == GL_Q8_0 && x->cols % 32) x->type = GL_F16;   /* as the converter falls back */
+    x->ndim = n_src ? 3 : 2;
+    x->ne[0] = x->cols; x->ne[1] = x->rows; x->ne[2] = x->n_src;
+    x->nbytes = gl_row_bytes(x->type, x->cols) * (size_t)x->rows * (size_t)x->n_src;
+}
+
+static void gw_add_vec(gw_tensor *ts, int *nt, const char *name, const float *v, int n) {
+    gw_tensor *x = &ts[(*nt)++];
+    memset(x, 0, sizeof *x);
+    snprintf(x->name, sizeof x->name, "%s", name);
+    x->vec = v;
+    x->type = GL_F32;
+    x->ndim = 1;
+    x->ne[0] = n; x->rows = 1; x->cols = n; x->n_src = 1;
+    x->nbytes = (size_t)n * 4;
+}
+
+/* Converts and writes one tensor, a row at a time. */
+static void gw_data(gguf_writer *w, const gw_tensor *x, float *row, uint8_t *buf) {
+    if (x->vec) { gw_bytes(w, x->vec, (size_t)x->cols * 4); return; }
+    size_t rb = gl_row_bytes(x->type, x->cols);
+    for (int s = 0; s < x->n_src && !w->err; s++)
+        for (int r = 0; r < x->rows && !w->err; r++) {
+            gl_row_to_f32(&x->src[s], r, row);
+            switch (x->type) {
+            case GL_F32: memcpy(buf, row, rb); break;
+            case GL_F16: for (int c = 0; c < x->cols; c++) { uint16_t h = gl_f32_to_f16(row[c]); memcpy(buf + 2 * c, &h, 2); } break;
+            case GL_BF16: for (int c = 0; c < x->cols; c++) { uint16_t h = gl_f32_to_bf16(row[c]); memcpy(buf + 2 * c, &h, 2); } break;
+            case GL_Q8_0: gl_quantize_row_q8_0(row, x->cols, buf); break;
+            }
+            gw_bytes(w, buf, rb);
+        }
+}
+
+int cm384_model_save_gguf(const cm384_model *m, const char *path, const char *type) {
+    if (!m || !path) return fail(CM384_E_INVALID, "cm384_model_save_gguf: model and path must not be NULL");
+    if (m->tokenizer_only || !m->tok)
+        return fail(CM384_E_MISUSE, "cm384_model_save_gguf: %s has no weights or no tokenizer", m->path);
+    int wt, ftype;
+    if (!type || !strcmp(type, "bf16")) { wt = GL_BF16; ftype = 32; }
+    else if (!strcmp(type, "f16")) { wt = GL_F16; ftype = 1; }
+    else if (!strcmp(type, "f32")) { wt = GL_F32; ftype = 0; }
+    else if (!strcmp(type, "q8_0")) { wt = GL_Q8_0; ftype = 7; }
+    else return fail(CM384_E_INVALID, "cm384_model_save_gguf: type \"%s\" (bf16, f16, f32 or q8_0)", type);
+    const hparams *hp = &m->hp;
+    if (hp->moe_freq != 1 && hp->n_routed > 0)
+        return fail(CM384_E_UNSUPPORTED, "%s: moe_layer_freq %d cannot be written to GGUF (every layer after the "
+                    "dense ones is MoE there)", m->path, hp->moe_freq);
+    if (hp->yarn && hp->mscale != hp->mscale_all_dim)
+        return fail(CM384_E_UNSUPPORTED, "%s: YaRN mscale %g != mscale_all_dim %g cannot be written to GGUF",
+                    m->path, hp->mscale, hp->mscale_all_dim);
+
+    /* the tensors, in llama.cpp's order within each block */
+    int nl = hp->n_layers + hp->n_mtp, H = hp->n_heads, E = hp->n_routed;
+    size_t max_t = 3 + (size_t)nl * 32;
+    gw_tensor *ts = calloc(max_t, sizeof *ts);
+    gl_mat *stacks = calloc((size_t)nl * (3 * (size_t)(E > H ? E : H) + 2 * (size_t)H) + 1, sizeof *stacks);
+    if (!ts || !stacks) { free(ts); free(stacks); return fail(CM384_E_NOMEM, "out of memory"); }
+    int nt = 0;
+    size_t sp = 0;
+    char nm[96];
+    gw_add(ts, &nt, wt, "token_embd.weight", &m->embed, 0);
+    gw_add_vec(ts, &nt, "output_norm.weight", m->final_norm, hp->dim);
+    if (m->head.data != m->embed.data) gw_add(ts, &nt, wt, "output.weight", &m->head, 0);
+#define WN(fmt) (snprintf(nm, sizeof nm, "blk.%d." fmt, l), nm)
+    for (int l = 0; l < nl; l++) {
+        const layer_w *L = &m->layers[l];
+        gw_add_vec(ts, &nt, WN("attn_norm.weight"), L->attn_norm, hp->dim);
+        if (hp->q_lora) {
+            gw_add(ts, &nt, wt, WN("attn_q_a.weight"), &L->wq_a, 0);
+            gw_add_vec(ts, &nt, WN("attn_q_a_norm.weight"), L->q_norm, hp->q_lora);
+            gw_add(ts, &nt, wt, WN("attn_q_b.weight"), &L->wq_b, 0);
+        } else {
+            gw_add(ts, &nt, wt, WN("attn_q.weight"), &L->wq, 0);
+        }
+        gw_add(ts, &nt, wt, WN("attn_kv_a_mqa.weight"), &L->wkv_a, 0);
+        gw_add_vec(ts, &nt, WN("attn_kv_a_norm.weight"), L->kv_norm, hp->kv_lora);
+        for (int h = 0; h < H; h++) { stacks[sp + h] = L->w_uk_t[h]; stacks[sp + H + h] = L->w_uv[h]; }
+        gw_add(ts, &nt, wt, WN("attn_k_b.weight"), &stacks[sp], H);
+        gw_add(ts, &nt, wt, WN("attn_v_b.weight"), &stacks[sp + H], H);
+        sp += 2 * (size_t)H;
+        gw_add(ts, &nt, wt, WN("attn_output.weight"), &L->wo, 0);
+        gw_add_vec(ts, &nt, WN("ffn_norm.weight"), L->ffn_norm, hp->dim);
+        if (!L->is_moe) {
+            gw_add(ts, &nt, wt, WN("ffn_gate.weight"), &L->dense.gate, 0);
+            gw_add(ts, &nt, wt, WN("ffn_up.weight"), &L->dense.up, 0);
+            gw_add(ts, &nt, wt, WN("ffn_down.weight"), &L->dense.down, 0);
+        } else {
+            gw_add(ts, &nt, GL_F32, WN("ffn_gate_inp.weight"), &L->router, 0);
+            if (L->router_bias) gw_add_vec(ts, &nt, WN("exp_probs_b.bias"), L->router_bias, E);
+            for (int e = 0; e < E; e++) {
+                stacks[sp + e] = L->experts[e].gate;
+                stacks[sp + E + e] = L->experts[e].up;
+                stacks[sp + 2 * E + e] = L->experts[e].down;
+            }
+            gw_add(ts, &nt, wt, WN("ffn_gate_exps.weight"), &stacks[sp], E);
+            gw_add(ts, &nt, wt, WN("ffn_up_exps.weight"), &stacks[sp + E], E);
+            gw_add(ts, &nt, wt, WN("ffn_down_exps.weight"), &stacks[sp + 2 * E], E);
+            sp += 3 * (size_t)E;
+            if (L->shared.gate.data) {
+                gw_add(ts, &nt, wt, WN("ffn_gate_shexp.weight"), &L->shared.gate, 0);
+                gw_add(ts, &nt, wt, WN("ffn_up_shexp.weight"), &L->shared.up, 0);
+                gw_add(ts, &nt, wt, WN("ffn_down_shexp.weight"), &L->shared.down, 0);
+            }
+        }
+        if (l >= hp->n_layers) {
+            gw_add(ts, &nt, wt, WN("nextn.eh_proj.weight"), &L->eh_proj, 0);
+            gw_add_vec(ts, &nt, WN("nextn.enorm.weight"), L->enorm, hp->dim);
+            gw_add_vec(ts, &nt, WN("nextn.hnorm.weight"), L->hnorm, hp->dim);
+            gw_add_vec(ts, &nt, WN("nextn.shared_head_norm.weight"), L->head_norm, hp->dim);
+            if (L->embed.data != m->embed.data) gw_add(ts, &nt, wt, WN("nextn.embed_tokens.weight"), &L->embed, 0);
+            if (L->head.data != m->head.data) gw_add(ts, &nt, wt, WN("nextn.shared_head_head.weight"), &L->head, 0);
+        }
+    }
+#undef WN
+    uint64_t off = 0;
+    int max_cols = 1;
+    for (int i = 0; i < nt; i++) {
+        ts[i].offset = off;
+        off += (ts[i].nbytes + 31) / 32 * 32;
+        if (ts[i].cols > max_cols) max_cols = ts[i].cols;
+    }
+
+    gguf_writer w = {fopen(path, "wb"), path, 0, 0};
+    if (!w.f) { free(ts); free(stacks); return fail(CM384_E_IO, "%s: cannot create: %s", path, strerror(errno)); }
+    /* the header's metadata count is patched once the metadata is written */
+    gw_u32(&w, 0x46554747u);
+    gw_u32(&w, 3);
+    gw_u64(&w, (uint64_t)nt);
+    long kv_count_at = ftell(w.f);
+    gw_u64(&w, 0);
+    gw_kv_str(&w, "general.architecture", "deepseek2");
+    gw_kv_str(&w, "general.type", "model");
+    const char *base = strrchr(m->path, '/');
+    gw_kv_str(&w, "general.name", base && base[1] ? base + 1 : m->path);
+    gw_kv_u32(&w, "general.file_type", (uint32_t)ftype);
+    gw_kv_u32(&w, "general.quantization_version", 2);
+    gw_kv_u32(&w, "deepseek2.block_count", (uint32_t)nl);
+    if (hp->n_mtp) gw_kv_u32(&w, "deepseek2.nextn_predict_layers", (uint32_t)hp->n_mtp);
+    gw_kv_u32(&w, "deepseek2.context_length", (uint32_t)hp->max_pos);
+    gw_kv_u32(&w, "deepseek2.embedding_length", (uint32_t)hp->dim);
+    gw_kv_u32(&w, "deepseek2.feed_forward_length", (uint32_t)hp->inter);
+    gw_kv_u32(&w, "deepseek2.attention.head_count", (uint32_t)H);
+    gw_kv_u32(&w, "deepseek2.attention.head_count_kv", 1);
+    gw_kv_f32(&w, "deepseek2.rope.freq_base", (float)hp->rope_theta);
+    gw_kv_f32(&w, "deepseek2.attention.layer_norm_rms_epsilon", hp->eps);
+    if (E > 0) {
+        gw_kv_u32(&w, "deepseek2.expert_count", (uint32_t)E);
+        gw_kv_u32(&w, "deepseek2.expert_used_count", (uint32_t)hp->top_k);
+        gw_kv_u32(&w, "deepseek2.expert_group_count", (uint32_t)hp->n_group);
+        gw_kv_u32(&w, "deepseek2.expert_group_used_count", (uint32_t)hp->topk_group);
+        gw_kv_u32(&w, "deepseek2.expert_gating_func", hp->score_func == SCORE_SIGMOID ? 2 : 1);
+    }
+    gw_kv_u32(&w, "deepseek2.leading_dense_block_count", (uint32_t)(E > 0 ? hp->n_dense : hp->n_layers));
+    gw_kv_u32(&w, "deepseek2.vocab_size", (uint32_t)hp->vocab);
+    if (hp->q_lora) gw_kv_u32(&w, "deepseek2.attention.q_lora_rank", (uint32_t)hp->q_lora);
+    gw_kv_u32(&w, "deepseek2.attention.kv_lora_rank", (uint32_t)hp->kv_lora);
+    gw_kv_u32(&w, "deepseek2.attention.key_length", (uint32_t)(hp->kv_lora + hp->qk_rope));
+    gw_kv_u32(&w, "deepseek2.attention.value_length", (uint32_t)hp->kv_lora);
+    gw_kv_u32(&w, "deepseek2.attention.key_length_mla", (uint32_t)(hp->qk_nope + hp->qk_rope));
+    gw_kv_u32(&w, "deepseek2.attention.value_length_mla", (uint32_t)hp->v_head);
+    gw_kv_u32(&w, "deepseek2.expert_feed_forward_length", (uint32_t)(hp->moe_inter ? hp->moe_inter : hp->inter));
+    gw_kv_u32(&w, "deepseek2.expert_shared_count", (uint32_t)hp->n_shared);
+    gw_kv_f32(&w, "deepseek2.expert_weights_scale", hp->route_scale);
+    if (hp->arch == ARCH_V3 ? hp->score_func == SCORE_SIGMOID : hp->norm_topk)
+        gw_kv_bool(&w, "deepseek2.expert_weights_norm", 1);
+    gw_kv_u32(&w, "deepseek2.rope.dimension_count", (uint32_t)hp->qk_rope);
+    if (hp->yarn) {
+        gw_kv_str(&w, "deepseek2.rope.scaling.type", "yarn");
+        gw_kv_f32(&w, "deepseek2.rope.scaling.factor", (float)hp->yarn_factor);
+        gw_kv_u32(&w, "deepseek2.rope.scaling.original_context_length", (uint32_t)hp->yarn_orig_max);
+        gw_kv_f32(&w, "deepseek2.rope.scaling.yarn_beta_fast", (float)hp->beta_fast);
+        gw_kv_f32(&w, "deepseek2.rope.scaling.yarn_beta_slow", (float)hp->beta_slow);
+        gw_kv_f32(&w, "deepseek2.rope.scaling.yarn_log_multiplier", (float)(0.1 * hp->mscale_all_dim));
+    }
+    gw_tokenizer(&w, m);
+    for (int i = 0; i < nt; i++) {
+        const gw_tensor *x = &ts[i];
+        gw_str(&w, x->name, strlen(x->name));
+        gw_u32(&w, (uint32_t)x->ndim);
+        for (int d = 0; d < x->ndim; d++) gw_u64(&w, (uint64_t)x->ne[d]);
+        gw_u32(&w, gw_ggml_type(x->type));
+        gw_u64(&w, x->offset);
+    }
+    static const uint8_t zeros[32];
+    long pos = ftell(w.f);
+    if (pos < 0) w.err = 1;
+    else gw_bytes(&w, zeros, (size_t)((32 - pos % 32) % 32));
+    float *row = malloc((size_t)max_cols * sizeof(float));
+    uint8_t *buf = malloc((size_t)max_cols * 4);
+    if (!row || !buf) w.err = 2;
+    for (int i = 0; i < nt && !w.err; i++) {
+        gw_data(&w, &ts[i], row, buf);
+        gw_bytes(&w, zeros, (size_t)((32 - ts[i].nbytes % 32) % 32));
+    }
+    free(row);
+    free(buf);
+    free(ts);
+    free(stacks);
+    if (!w.err && (fseek(w.f, kv_count_at, SEEK_SET) != 0)) w.err = 1;
+    gw_u64(&w, w.n_kv);
+    if (fclose(w.f) != 0 && !w.err) w.err = 1;
+    if (w.err == 2) { remove(path); return fail(CM384_E_NOMEM, "out of memory writing %s", path); }
+    if (w.err) { remove(path); return fail(CM384_E_IO, "%s: write failed: %s", path, strerror(errno)); }
     return CM384_OK;
 }
 
@@ -3995,9 +5119,8 @@ int cm384_model_get_info(const cm384_model *m, cm384_model_info *out) {
     info.n_params = m->n_params;
     info.n_active_params = m->n_active_params;
     info.weight_bytes = m->weight_bytes;
-    static const char *names[] = {"F32", "F16", "BF16", "F8_E4M3", "INT8"};
     snprintf(info.weight_dtype, sizeof info.weight_dtype, "%s",
-             m->tokenizer_only ? "" : names[m->main_dtype]);
+             m->tokenizer_only ? "" : gl_type_name(m->main_dtype));
     info.struct_size = sz;              /* what the caller's struct holds of it */
     memcpy(out, &info, sz);
     out->struct_size = sz;
@@ -4314,7 +5437,7 @@ static void mm_chunk_task(void *ctx, int arg, int c, int worker) {
 /* Adds job jb (which must stay alive until the region has run). */
 static void region_add_mm(region *rg, int n_workers, mm_job *jb, int device) {
     if (jb->n <= 0) return;
-    size_t bytes = (size_t)jb->w->rows * jb->w->cols * gl_type_size(jb->w->type);
+    size_t bytes = (size_t)jb->w->rows * gl_row_bytes(jb->w->type, jb->w->cols);
     int nc = (int)((bytes + (256u << 10) - 1) / (256u << 10));      /* ~256 KB of weights each */
     int by_rows = (jb->w->rows + 15) / 16;
     int spread = n_workers > 1 ? 2 * n_workers : 1;

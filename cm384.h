@@ -175,6 +175,11 @@ typedef struct cm384_model cm384_model;
  *   - a tokenizer.json file: a tokenizer-only model.  Tokenizing,
  *     detokenizing and chat rendering work; cm384_engine_create() fails
  *     with CM384_E_MISUSE.
+ *   - a GGUF file (*.gguf) of llama.cpp's deepseek2 architecture (DeepSeek-V2,
+ *     V2-Lite, V3, R1, Moonlight, Kimi-K2 as llama.cpp converts them), with
+ *     its tokenizer and chat template; tensor types F32, F16, BF16, Q8_0,
+ *     Q4_0, Q4_K, Q5_K, Q6_K, computed in their stored blocks.  A vocab-only
+ *     GGUF is a tokenizer-only model.
  * Supported: model_type deepseek_v2 / deepseek_v3 (DeepSeek-V2, V2-Lite, V3,
  * R1, and V3-layout models such as Moonlight and Kimi-K2); tensor dtypes F32,
  * F16, BF16 and F8_E4M3 with 128x128 `weight_scale_inv` block scales.
@@ -186,6 +191,17 @@ typedef struct cm384_model cm384_model;
 CM384_API int  cm384_model_load(const char *path, const cm384_load_opts *opts,
                                 cm384_model **out);
 CM384_API void cm384_model_free(cm384_model *m);         /* NULL is a no-op */
+
+/* Write the model as a GGUF file that llama.cpp loads (architecture
+ * deepseek2, as llama.cpp's own converter writes it: stacked experts,
+ * kv_b_proj split into attn_k_b / attn_v_b, the tokenizer, the chat template
+ * and the MTP layer).  type: "bf16" (NULL), "f16", "f32" or "q8_0" for the
+ * matrices (norms, biases and the router stay F32; Q8_0 rows that are not
+ * whole 32-value blocks are written F16, as the converter does).  Errors:
+ * CM384_E_INVALID (type), CM384_E_MISUSE (tokenizer-only model),
+ * CM384_E_UNSUPPORTED (a model GGUF cannot describe: moe_layer_freq > 1,
+ * YaRN mscale != mscale_all_dim), CM384_E_IO. */
+CM384_API int  cm384_model_save_gguf(const cm384_model *m, const char *path, const char *type);
 
 /* What was loaded (all counts; 0 where not applicable). */
 typedef struct cm384_model_info {

@@ -37,14 +37,16 @@ typedef struct opts {
     int         report, json, int8, int8_dispatch, mtp, bos, quiet, verbose, check_values, progress, no_warmup;
     double      temperature, top_p, min_p, shared_prefix;
     unsigned long long seed;
+    const char *out, *type;                   /* convert                      */
 } opts;
 
 enum cmd {                                    /* one bit per command          */
     C_RUN = 1, C_CHAT = 2, C_TOKENIZE = 4, C_EVAL = 8, C_PERPLEXITY = 16, C_BENCH = 32, C_INFO = 64,
+    C_CONVERT = 128,
 };
 #define C_ENGINE (C_RUN | C_CHAT | C_EVAL | C_PERPLEXITY | C_BENCH)   /* build an engine */
 #define C_SAMPLE (C_RUN | C_CHAT | C_BENCH)                           /* generate        */
-#define C_ALL    (C_ENGINE | C_TOKENIZE | C_INFO)
+#define C_ALL    (C_ENGINE | C_TOKENIZE | C_INFO | C_CONVERT)
 
 enum { O_FLAG, O_INT, O_U64, O_FLOAT, O_STR };
 
@@ -60,7 +62,9 @@ typedef struct option {
 
 #define F(field) offsetof(opts, field)
 static const option options[] = {
-    {"-m", C_ALL, O_STR, F(model), 0, 0, 0, "DIR", "model directory, or a tokenizer.json (tokenize) (default models/shakespeare)"},
+    {"-m", C_ALL, O_STR, F(model), 0, 0, 0, "DIR", "model directory or .gguf file, or a tokenizer.json (tokenize) (default models/shakespeare)"},
+    {"-o", C_CONVERT, O_STR, F(out), 0, 0, 0, "FILE", "the GGUF file to write"},
+    {"--type", C_CONVERT, O_STR, F(type), 0, 0, 0, "T", "bf16 (default), f16, f32 or q8_0"},
     {"--check-values", C_ALL, O_FLAG, F(check_values), 0, 0, 1, NULL, "scan every weight for NaN/Inf while loading (slow)"},
     {"--progress", C_ALL, O_FLAG, F(progress), 0, 0, 1, NULL, "show the load's progress whatever the model's size (default: over 64 MB)"},
     {"-p", C_RUN, O_STR, F(prompt), 0, 0, 0, "TEXT", "the prompt (or give it as the argument)"},
@@ -101,7 +105,7 @@ static const option options[] = {
 /* ---- commands ---- */
 
 static int cmd_run(const opts *o), cmd_chat(const opts *o), cmd_tokenize(const opts *o), cmd_eval(const opts *o),
-           cmd_perplexity(const opts *o), cmd_bench(const opts *o), cmd_info(const opts *o);
+           cmd_perplexity(const opts *o), cmd_bench(const opts *o), cmd_info(const opts *o), cmd_convert(const opts *o);
 
 typedef struct command {
     const char *name;
@@ -158,6 +162,12 @@ static const command commands[] = {
      "examples:\n"
      "  cm384 info -m tests/fixtures/tiny-dsv3\n"
      "  cm384 info -m DIR --check-values\n"},
+    {"convert", C_CONVERT, cmd_convert, 0, 0, "", "write the model as a GGUF file llama.cpp loads",
+     "Writes the model (-m: a Hugging Face directory or a GGUF file) to -o FILE in\n"
+     "llama.cpp's deepseek2 layout, tokenizer and chat template included, with\n"
+     "the matrices in --type (norms, biases and the router stay F32).\n"
+     "examples:\n"
+     "  cm384 convert -m models/shakespeare -o shakespeare-q8_0.gguf --type q8_0\n"},
 };
 #define N_COMMANDS (int)(sizeof commands / sizeof commands[0])
 
@@ -773,6 +783,18 @@ static int cmd_bench(const opts *o) {
     cm384_engine_free(e);
     cm384_model_free(m);
     return status;
+}
+
+static int cmd_convert(const opts *o) {
+    if (!o->out) { fprintf(stderr, "cm384 convert: -o FILE.gguf is required (cm384 help convert)\n"); return EXIT_USAGE; }
+    cm384_model *m;
+    if (load(o, &m)) return EXIT_RUNTIME;
+    const char *type = o->type ? o->type : "bf16";
+    int r = cm384_model_save_gguf(m, o->out, type);
+    cm384_model_free(m);
+    if (r) { fprintf(stderr, "cm384 convert: %s\n", cm384_last_error()); return r == CM384_E_INVALID ? EXIT_USAGE : EXIT_RUNTIME; }
+    fprintf(stderr, "wrote %s (%s)\n", o->out, type);
+    return 0;
 }
 
 static int cmd_info(const opts *o) {
