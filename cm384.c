@@ -3827,7 +3827,8 @@ static int bind_mat(cm384_model *m, const char *name, int rows, int cols, gl_mat
         return fail(CM384_E_FORMAT, "%s: missing tensor \"%s\" (expected shape [%d, %d])", m->path, name, rows, cols);
     }
     if (t->dtype < 0)
-        return fail(CM384_E_UNSUPPORTED, "%s: tensor \"%s\" has dtype %s; weights must be F32, F16, BF16 or F8_E4M3",
+        return fail(CM384_E_UNSUPPORTED, "%s: tensor \"%s\" has dtype %s; weights must be F32, F16, BF16, F8_E4M3 "
+                    "or (GGUF) Q8_0, Q4_0, Q4_K, Q5_K, Q6_K",
                     shard_name(m, t), name, t->dtype_name);
     if (t->ndim != 2 || t->shape[0] != rows || t->shape[1] != cols) {
         char got[96] = "[";

@@ -247,6 +247,91 @@ static int on_progress(void *user, const char *stage, uint64_t done, uint64_t to
     return user && done * 2 > total;          /* cancel half-way when asked */
 }
 
+/* ---- damaged GGUF files: a good file written by cm384_model_save_gguf,
+   then one field broken at a time ---- */
+
+static uint8_t *gguf_good;
+static size_t gguf_good_n;
+
+/* Offset of the first occurrence of a byte string in the good file. */
+static size_t gguf_find_bytes(const char *s, size_t from) {
+    size_t n = strlen(s);
+    for (size_t i = from; i + n <= gguf_good_n; i++)
+        if (!memcmp(gguf_good + i, s, n)) return i;
+    printf("gguf_find_bytes: \"%s\" not in the file\n", s);
+    exit(1);
+}
+
+/* Writes the good file with n bytes at `at` replaced (or cut to `cut` bytes). */
+static const char *gguf_variant(const char *name, size_t at, const void *bytes, size_t n, size_t cut) {
+    static char path[600];
+    snprintf(path, sizeof path, "%s/%s.gguf", tmp_root, name);
+    uint8_t *d = malloc(gguf_good_n);
+    memcpy(d, gguf_good, gguf_good_n);
+    if (bytes) memcpy(d + at, bytes, n);
+    ld_write_all(path, d, cut ? cut : gguf_good_n);
+    free(d);
+    return path;
+}
+
+static void gguf_put_u64(uint8_t *b, uint64_t v) { for (int i = 0; i < 8; i++) b[i] = (uint8_t)(v >> (8 * i)); }
+
+static void gguf_damaged_cases(void) {
+    char good[600];
+    snprintf(good, sizeof good, "%s/good.gguf", tmp_root);
+    cm384_model *m;
+    int r = cm384_model_load(FIX, NULL, &m);
+    if (!r) r = cm384_model_save_gguf(m, good, "q8_0");
+    cm384_model_free(m);
+    CHECK(r == CM384_OK, "writing the GGUF to damage: %s", cm384_last_error());
+    if (r || ld_read_all(good, &gguf_good, &gguf_good_n)) return;
+    r = cm384_model_load(good, NULL, &m);
+    CHECK(r == CM384_OK, "the undamaged GGUF loads: %s", cm384_last_error());
+    cm384_model_free(m);
+
+    uint8_t b8[8];
+    size_t at;
+    expect("GGUF cut in the header", gguf_variant("cut-header", 0, NULL, 0, 100), CM384_E_FORMAT, "cannot fit");
+    expect("GGUF cut in the metadata", gguf_variant("cut-meta", 0, NULL, 0, gguf_find_bytes("tokenizer.ggml.merges", 0) + 10),
+           CM384_E_FORMAT, "cut-meta.gguf");
+    expect("GGUF cut in the tensor data", gguf_variant("cut-data", 0, NULL, 0, gguf_good_n - 1000), CM384_E_FORMAT, "truncated");
+    expect("GGUF bad magic", gguf_variant("magic", 0, "GGUX", 4, 0), CM384_E_FORMAT, "magic");
+    expect("GGUF version 9", gguf_variant("version", 4, "\x09\0\0\0", 4, 0), CM384_E_UNSUPPORTED, "version 9");
+    gguf_put_u64(b8, 1ull << 60);
+    expect("GGUF absurd metadata count", gguf_variant("nkv", 16, b8, 8, 0), CM384_E_FORMAT, "cannot fit");
+    at = gguf_find_bytes("general.architecture", 0);
+    expect("GGUF key length past the end", gguf_variant("keylen", at - 8, b8, 8, 0), CM384_E_FORMAT, "past the end");
+    at = gguf_find_bytes("general.type", 0) + strlen("general.type");
+    expect("GGUF unknown value type", gguf_variant("vtype", at, "\x4d\0\0\0", 4, 0), CM384_E_FORMAT, "value type 77");
+    at = gguf_find_bytes("deepseek2", gguf_find_bytes("general.architecture", 0) + 20);
+    expect("GGUF another architecture", gguf_variant("arch", at, "qwen2moe_", 9, 0), CM384_E_UNSUPPORTED, "qwen2moe_");
+    at = gguf_find_bytes("deepseek2.attention.kv_lora_rank", 0);
+    expect("GGUF missing hyper-parameter", gguf_variant("nokey", at, "deepseek2.attention.kv_lora_ranq", 32, 0),
+           CM384_E_FORMAT, "kv_lora_rank");
+    at = gguf_find_bytes("deepseek-v3", 0);
+    expect("GGUF unknown pre-tokenizer", gguf_variant("pre", at, "deepseek-v9", 11, 0), CM384_E_UNSUPPORTED, "deepseek-v9");
+    /* tensor infos: name, n_dims (u32), ne (u64 each), type (u32), offset (u64) */
+    at = gguf_find_bytes("blk.0.attn_q_a.weight", gguf_find_bytes("tokenizer.ggml.merges", 0));
+    size_t info = at + strlen("blk.0.attn_q_a.weight");
+    expect("GGUF missing tensor", gguf_variant("notensor", at, "blk.0.attn_q_x", 14, 0), CM384_E_FORMAT, "attn_q_a");
+    expect("GGUF duplicate tensor", gguf_variant("dup", gguf_find_bytes("blk.0.attn_q_b.weight", info), "blk.0.attn_q_a", 14, 0),
+           CM384_E_FORMAT, "appears twice");
+    expect("GGUF 7 dimensions", gguf_variant("ndims", info, "\x07\0\0\0", 4, 0), CM384_E_FORMAT, "dimensions");
+    gguf_put_u64(b8, 48);   /* rows of 48 values: not whole Q8_0 blocks */
+    expect("GGUF rows not whole blocks", gguf_variant("blocks", info + 4, b8, 8, 0), CM384_E_FORMAT, "blocks");
+    gguf_put_u64(b8, 33);
+    expect("GGUF wrong shape", gguf_variant("shape", info + 12, b8, 8, 0), CM384_E_FORMAT, "shape");
+    expect("GGUF unknown tensor type", gguf_variant("ttype", info + 20, "\x63\0\0\0", 4, 0), CM384_E_UNSUPPORTED, "type 99");
+    expect("GGUF unsupported tensor type", gguf_variant("q2k", info + 20, "\x0a\0\0\0", 4, 0), CM384_E_UNSUPPORTED, "Q2_K");
+    uint64_t off = 0;
+    for (int i = 7; i >= 0; i--) off = off << 8 | gguf_good[info + 24 + i];
+    gguf_put_u64(b8, off + 1);
+    expect("GGUF misaligned tensor", gguf_variant("align", info + 24, b8, 8, 0), CM384_E_FORMAT, "alignment");
+    gguf_put_u64(b8, 1ull << 40);
+    expect("GGUF tensor past the end", gguf_variant("offset", info + 24, b8, 8, 0), CM384_E_FORMAT, "past the end");
+    free(gguf_good);
+}
+
 TEST_MAIN(loader) {
     snprintf(tmp_root, sizeof tmp_root, "/tmp/cm384-test-loader-XXXXXX");
     if (!mkdtemp(tmp_root)) { perror("mkdtemp"); return 1; }
@@ -352,7 +437,8 @@ TEST_MAIN(loader) {
 
     snprintf(p, sizeof p, "%s/model.gguf", tmp_root);
     ld_write_all(p, "GGUF", 4);
-    expect("a GGUF file", p, CM384_E_UNSUPPORTED, "GGUF");
+    expect("a 4-byte GGUF file", p, CM384_E_FORMAT, "model.gguf");
+    gguf_damaged_cases();
 
     /* NULL and bad arguments */
     {
