@@ -3580,7 +3580,7 @@ static int gguf_ggml_type(uint32_t t, const char **name) {
     static const struct { uint32_t id; int type; const char *name; } tt[] = {
         {0, GL_F32, "F32"}, {1, GL_F16, "F16"}, {30, GL_BF16, "BF16"}, {8, GL_Q8_0, "Q8_0"},
         {2, GL_Q4_0, "Q4_0"}, {12, GL_Q4_K, "Q4_K"}, {13, GL_Q5_K, "Q5_K"}, {14, GL_Q6_K, "Q6_K"},
-        {3, -1, "Q4_1"}, {6, -1, "Q5_0"}, {7, -1, "Q5_1"}, {9, -1, "Q8_1"}, {10, -1, "Q2_K"},
+        {3, GL_Q4_1, "Q4_1"}, {6, GL_Q5_0, "Q5_0"}, {7, GL_Q5_1, "Q5_1"}, {9, -1, "Q8_1"}, {10, -1, "Q2_K"},
         {11, -1, "Q3_K"}, {15, -1, "Q8_K"}, {16, -1, "IQ2_XXS"}, {17, -1, "IQ2_XS"}, {18, -1, "IQ3_XXS"},
         {19, -1, "IQ1_S"}, {20, -1, "IQ4_NL"}, {21, -1, "IQ3_S"}, {22, -1, "IQ2_S"}, {23, -1, "IQ4_XS"},
         {24, -1, "I8"}, {25, -1, "I16"}, {26, -1, "I32"}, {27, -1, "I64"}, {28, -1, "F64"},
@@ -3828,7 +3828,7 @@ static int bind_mat(cm384_model *m, const char *name, int rows, int cols, gl_mat
     }
     if (t->dtype < 0)
         return fail(CM384_E_UNSUPPORTED, "%s: tensor \"%s\" has dtype %s; weights must be F32, F16, BF16, F8_E4M3 "
-                    "or (GGUF) Q8_0, Q4_0, Q4_K, Q5_K, Q6_K",
+                    "or (GGUF) Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K, Q6_K",
                     shard_name(m, t), name, t->dtype_name);
     if (t->ndim != 2 || t->shape[0] != rows || t->shape[1] != cols) {
         char got[96] = "[";
@@ -4409,7 +4409,7 @@ static int bind_slice(cm384_model *m, const char *name, int idx, int n, int row0
     if (!t) return fail(CM384_E_FORMAT, "%s: missing tensor \"%s\" (expected shape [%d, %d, %d])", m->path, name, n, R, cols);
     if (t->dtype < 0 || t->dtype == GL_F8_E4M3)
         return fail(CM384_E_UNSUPPORTED, "%s: tensor \"%s\" has type %s; GGUF weights must be F32, F16, BF16, "
-                    "Q8_0, Q4_0, Q4_K, Q5_K or Q6_K", shard_name(m, t), name, t->dtype_name);
+                    "Q8_0, Q4_0, Q4_1, Q5_0, Q5_1, Q4_K, Q5_K or Q6_K", shard_name(m, t), name, t->dtype_name);
     if (t->ndim != 3 || t->shape[0] != n || t->shape[1] != R || t->shape[2] != cols)
         return fail(CM384_E_FORMAT, "%s: tensor \"%s\" has the wrong shape (expected [%d, %d, %d])",
                     shard_name(m, t), name, n, R, cols);

@@ -41,6 +41,9 @@ enum gl_block_type {
     GL_Q4_K,          /* 256 values: f16 scale and min, 6-bit sub-block scales, 4-bit      */
     GL_Q5_K,          /* as Q4_K with 5-bit values                                         */
     GL_Q6_K,          /* 256 values: f16 scale, int8 sub-block scales, 6-bit               */
+    GL_Q4_1,          /* 32 values: f16 scale and min, 4-bit  (llama-quantize's fallbacks  */
+    GL_Q5_0,          /* 32 values: f16 scale, 5-bit           for rows that are not whole */
+    GL_Q5_1,          /* 32 values: f16 scale and min, 5-bit   k-quant blocks)             */
     GL_BLOCK_TYPE_END
 };
 

@@ -20,6 +20,13 @@
  *   Q6_K 210 B: u8 ql[128], u8 qh[64], int8 scales[16], f16 d
  *               16 sub-blocks of 16; x = (d*sc) * (q - 32), q 6 bits (low 4
  *               from ql, high 2 from qh)
+ *   Q4_1  20 B: f16 d, f16 m, u8 qs[16]             x = d * nibble + m
+ *   Q5_0  22 B: f16 d, u8 qh[4], u8 qs[16]          x = d * (q - 16), bit j of the
+ *               little-endian u32 qh is the fifth bit of value j
+ *   Q5_1  24 B: f16 d, f16 m, u8 qh[4], u8 qs[16]   x = d * q + m
+ * (Q4_1, Q5_0 and Q5_1 are what llama-quantize writes for rows that are not
+ * whole 256-value blocks in k-quant files; their SIMD sets dequantize through
+ * the portable code and multiply with the set's FMA.)
  *
  * Exactness: every value a block stands for is one fp32 number, whichever
  * way it is computed: d*sc is exact (11 + 8 significant bits), times q is
@@ -42,7 +49,7 @@ int gl_type_is_block(int type) { return type >= GL_Q8_0 && type < GL_BLOCK_TYPE_
 
 int gl_type_block(int type) {
     switch (type) {
-    case GL_Q8_0: case GL_Q4_0: return GL_QK;
+    case GL_Q8_0: case GL_Q4_0: case GL_Q4_1: case GL_Q5_0: case GL_Q5_1: return GL_QK;
     case GL_Q4_K: case GL_Q5_K: case GL_Q6_K: return GL_QK_K;
     default: return 1;
     }
@@ -55,6 +62,9 @@ static size_t gl_block_bytes(int type) {
     case GL_Q4_K: return 144;
     case GL_Q5_K: return 176;
     case GL_Q6_K: return 210;
+    case GL_Q4_1: return 20;
+    case GL_Q5_0: return 22;
+    case GL_Q5_1: return 24;
     default: return gl_type_size(type);
     }
 }
@@ -65,7 +75,7 @@ size_t gl_row_bytes(int type, int cols) {
 
 const char *gl_type_name(int type) {
     static const char *names[] = {"F32", "F16", "BF16", "F8_E4M3", "INT8"};
-    static const char *blocks[] = {"Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K"};
+    static const char *blocks[] = {"Q8_0", "Q4_0", "Q4_K", "Q5_K", "Q6_K", "Q4_1", "Q5_0", "Q5_1"};
     if (type >= 0 && type < GL_TYPE_COUNT) return names[type];
     if (gl_type_is_block(type)) return blocks[type - GL_Q8_0];
     return "?";
@@ -101,6 +111,27 @@ static void gl_block_to_f32(int type, const uint8_t *b, float *out) {
         for (int j = 0; j < 16; j++) {
             out[j] = d * (float)((b[2 + j] & 0xF) - 8);
             out[j + 16] = d * (float)((b[2 + j] >> 4) - 8);
+        }
+        break;
+    }
+    case GL_Q4_1: {
+        float d = gl_load_f16(b), m = gl_load_f16(b + 2);
+        for (int j = 0; j < 16; j++) {
+            out[j] = d * (float)(b[4 + j] & 0xF) + m;
+            out[j + 16] = d * (float)(b[4 + j] >> 4) + m;
+        }
+        break;
+    }
+    case GL_Q5_0:
+    case GL_Q5_1: {
+        int one = type == GL_Q5_1;
+        float d = gl_load_f16(b), m = one ? gl_load_f16(b + 2) : 0.0f;
+        const uint8_t *qh = b + 2 + 2 * one, *qs = qh + 4;
+        uint32_t h = (uint32_t)qh[0] | (uint32_t)qh[1] << 8 | (uint32_t)qh[2] << 16 | (uint32_t)qh[3] << 24;
+        for (int j = 0; j < 16; j++) {
+            int lo = (qs[j] & 0xF) | (int)((h >> j) & 1) << 4, hi = (qs[j] >> 4) | (int)((h >> (j + 16)) & 1) << 4;
+            if (one) { out[j] = d * (float)lo + m; out[j + 16] = d * (float)hi + m; }
+            else { out[j] = d * (float)(lo - 16); out[j + 16] = d * (float)(hi - 16); }
         }
         break;
     }

@@ -764,7 +764,7 @@ static test_mat make_qmat(int type, int rows, int cols) {
         uint16_t d = gl_f32_to_f16(ldexpf(rng_unif(), -6 - rng_int(4))), dm = gl_f32_to_f16(ldexpf(rng_unif(), -7));
         if (type == GL_Q6_K) memcpy(blk + 208, &d, 2);
         else memcpy(blk, &d, 2);
-        if (type == GL_Q4_K || type == GL_Q5_K) memcpy(blk + 2, &dm, 2);
+        if (type == GL_Q4_K || type == GL_Q5_K || type == GL_Q4_1 || type == GL_Q5_1) memcpy(blk + 2, &dm, 2);
     }
     t.data = p; t.scale = NULL;
     t.m.type = type; t.m.rows = rows; t.m.cols = cols; t.m.data = p; t.m.scale = NULL;
@@ -790,6 +790,19 @@ static double ref_block_value(int type, const uint8_t *b, int i) {
         if (type == GL_Q5_K) q += (b[16 + l] >> sub & 1) * 16;
         return ref_f16(h) * sc * q - ref_f16(hm) * m;
     }
+    case GL_Q4_1: case GL_Q5_1: {
+        uint16_t hm;
+        memcpy(&h, b, 2); memcpy(&hm, b + 2, 2);
+        const uint8_t *qs = b + (type == GL_Q4_1 ? 4 : 8);
+        int q = (i < 16 ? qs[i] : qs[i - 16] >> 4) & 15;
+        if (type == GL_Q5_1) q |= (b[4 + i / 8] >> (i % 8) & 1) << 4;
+        return ref_f16(h) * q + ref_f16(hm);
+    }
+    case GL_Q5_0: {
+        memcpy(&h, b, 2);
+        int q = ((i < 16 ? b[6 + i] : b[6 + i - 16] >> 4) & 15) | (b[2 + i / 8] >> (i % 8) & 1) << 4;
+        return ref_f16(h) * (q - 16);
+    }
     case GL_Q6_K: {
         memcpy(&h, b + 208, 2);
         int half = i / 128, j = i % 128, quarter = j / 32, l = j % 32;
@@ -802,10 +815,13 @@ static double ref_block_value(int type, const uint8_t *b, int i) {
     return NAN;
 }
 
+static const int gguf_block_types[] = {GL_Q8_0, GL_Q4_0, GL_Q4_K, GL_Q5_K, GL_Q6_K, GL_Q4_1, GL_Q5_0, GL_Q5_1};
+#define N_GGUF_BLOCK_TYPES (sizeof gguf_block_types / sizeof gguf_block_types[0])
+
 static void test_block_formats(void) {
-    static const int types[] = {GL_Q8_0, GL_Q4_0, GL_Q4_K, GL_Q5_K, GL_Q6_K};
+    const int *types = gguf_block_types;
     float out[512];
-    for (size_t ti = 0; ti < 5; ti++) {
+    for (size_t ti = 0; ti < N_GGUF_BLOCK_TYPES; ti++) {
         int type = types[ti], bs = gl_type_block(type), bad = 0;
         test_mat t = make_qmat(type, 4, 2 * bs);
         size_t bb = gl_row_bytes(type, 2 * bs) / 2;
@@ -846,10 +862,10 @@ static void test_block_formats(void) {
  * where the set keeps the 8-lane order of its fp32 product, the same bits as
  * that product over the dequantized matrix; batch invariant. */
 static void test_qmatmul(const gl_kernels *k) {
-    static const int types[] = {GL_Q8_0, GL_Q4_0, GL_Q4_K, GL_Q5_K, GL_Q6_K};
+    const int *types = gguf_block_types;
     const gl_kernels *s = gl_kernels_scalar();
     const int same_order = strcmp(k->name, "avx512_vnni") != 0;
-    for (size_t ti = 0; ti < 5; ti++)
+    for (size_t ti = 0; ti < N_GGUF_BLOCK_TYPES; ti++)
         for (int shape = 0; shape < 4; shape++) {
             int type = types[ti], bs = gl_type_block(type);
             int cols = bs * (shape == 0 ? 1 : shape == 1 ? 5 : shape == 2 ? 9 : 1 + rng_int(bs == 32 ? 80 : 10));
