@@ -3700,7 +3700,7 @@ static int gguf_read(const file_map *f, const char *path, int file_index, arena 
     }
     if (!r) {
         size_t data = (rd.pos + g->alignment - 1) / g->alignment * g->alignment;
-        if (data > f->size) r = fail(CM384_E_FORMAT, "%s: the tensor data would start past the end of the file", path);
+        if (n_tensors && data > f->size) r = fail(CM384_E_FORMAT, "%s: the tensor data would start past the end of the file", path);
         for (uint64_t i = 0; i < n_tensors && !r; i++) {
             tensor_info *ti = &infos[i];
             if (offs[i] % g->alignment)
@@ -4817,9 +4817,8 @@ static int bpe_merge_rank_cmp(const void *a, const void *b) {
     return x->rank < y->rank ? -1 : x->rank > y->rank;
 }
 
-static void gw_tokenizer(gguf_writer *w, const cm384_model *m) {
+static void gw_tokenizer(gguf_writer *w, const cm384_model *m, int n) {
     const tokenizer *t = m->tok;
-    int n = m->hp.vocab;
     strbuf s = {0};
     gw_kv_str(w, "tokenizer.ggml.model", "gpt2");
     gw_kv_str(w, "tokenizer.ggml.pre", t->pre_name ? t->pre_name : "default");
@@ -4917,16 +4916,37 @@ static void gw_data(gguf_writer *w, const gw_tensor *x, float *row, uint8_t *buf
         }
 }
 
+/* A tokenizer-only model: a vocab-only file (no tensors), as the converter's
+ * --vocab-only writes. */
+static int gguf_save_vocab_only(const cm384_model *m, const char *path) {
+    gguf_writer w = {fopen(path, "wb"), path, 0, 0};
+    if (!w.f) return fail(CM384_E_IO, "%s: cannot create: %s", path, strerror(errno));
+    gw_u32(&w, 0x46554747u);
+    gw_u32(&w, 3);
+    gw_u64(&w, 0);
+    long kv_count_at = ftell(w.f);
+    gw_u64(&w, 0);
+    gw_kv_str(&w, "general.architecture", "deepseek2");
+    gw_kv_str(&w, "general.type", "vocab");
+    gw_kv_u32(&w, "deepseek2.vocab_size", (uint32_t)tokenizer_n_ids(m->tok));
+    gw_tokenizer(&w, m, tokenizer_n_ids(m->tok));
+    if (!w.err && fseek(w.f, kv_count_at, SEEK_SET) != 0) w.err = 1;
+    gw_u64(&w, w.n_kv);
+    if (fclose(w.f) != 0 && !w.err) w.err = 1;
+    if (w.err) { remove(path); return fail(w.err == 2 ? CM384_E_NOMEM : CM384_E_IO, "%s: write failed", path); }
+    return CM384_OK;
+}
+
 int cm384_model_save_gguf(const cm384_model *m, const char *path, const char *type) {
     if (!m || !path) return fail(CM384_E_INVALID, "cm384_model_save_gguf: model and path must not be NULL");
-    if (m->tokenizer_only || !m->tok)
-        return fail(CM384_E_MISUSE, "cm384_model_save_gguf: %s has no weights or no tokenizer", m->path);
+    if (!m->tok) return fail(CM384_E_MISUSE, "cm384_model_save_gguf: %s has no tokenizer", m->path);
     int wt, ftype;
     if (!type || !strcmp(type, "bf16")) { wt = GL_BF16; ftype = 32; }
     else if (!strcmp(type, "f16")) { wt = GL_F16; ftype = 1; }
     else if (!strcmp(type, "f32")) { wt = GL_F32; ftype = 0; }
     else if (!strcmp(type, "q8_0")) { wt = GL_Q8_0; ftype = 7; }
     else return fail(CM384_E_INVALID, "cm384_model_save_gguf: type \"%s\" (bf16, f16, f32 or q8_0)", type);
+    if (m->tokenizer_only) return gguf_save_vocab_only(m, path);
     const hparams *hp = &m->hp;
     if (hp->moe_freq != 1 && hp->n_routed > 0)
         return fail(CM384_E_UNSUPPORTED, "%s: moe_layer_freq %d cannot be written to GGUF (every layer after the "
@@ -5058,7 +5078,7 @@ int cm384_model_save_gguf(const cm384_model *m, const char *path, const char *ty
         gw_kv_f32(&w, "deepseek2.rope.scaling.yarn_beta_slow", (float)hp->beta_slow);
         gw_kv_f32(&w, "deepseek2.rope.scaling.yarn_log_multiplier", (float)(0.1 * hp->mscale_all_dim));
     }
-    gw_tokenizer(&w, m);
+    gw_tokenizer(&w, m, hp->vocab);
     for (int i = 0; i < nt; i++) {
         const gw_tensor *x = &ts[i];
         gw_str(&w, x->name, strlen(x->name));

@@ -20,6 +20,7 @@
 #include "test_eplb.c"
 #include "test_progress.c"
 #include "test_fuzzfix.c"
+#include "test_gguf.c"
 
 static const struct {
     const char *name;
@@ -38,6 +39,7 @@ static const struct {
     {"eplb", test_main_eplb},
     {"progress", test_main_progress},
     {"fuzzfix", test_main_fuzzfix},
+    {"gguf", test_main_gguf},
 };
 
 int main(int argc, char **argv) {

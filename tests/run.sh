@@ -42,7 +42,7 @@ T="$B/cm384_tests"
     "$B/gen_synth" --preset tiny --dtype fp8 --set q_lora_rank=null --set num_hidden_layers=2 --set n_shared_experts=2 \
         -q "$B/models/fp8-q-plain" >/dev/null 2>&1 ||
     echo "   (could not generate $B/models/fp8-q-plain)"
-for t in tokenizer kernels golden loader engine alloc model api trust slo eplb; do
+for t in tokenizer kernels golden loader engine alloc model api trust slo eplb gguf; do
     step "$t" "$T" $t
 done
 step "progress" "$T" progress "$B/models/fp8-q-plain"
@@ -54,6 +54,7 @@ for t in tokenizer kernels golden loader api trust slo eplb; do
 done
 step "asan+ubsan progress" env ASAN_OPTIONS=detect_leaks=1 "$B/asan/cm384_tests" progress "$B/models/fp8-q-plain"
 step "asan+ubsan fuzzfix" env ASAN_OPTIONS=detect_leaks=1 "$B/asan/cm384_tests" fuzzfix
+step "asan+ubsan gguf" env CM384_QUICK=1 ASAN_OPTIONS=detect_leaks=1 "$B/asan/cm384_tests" gguf
 step "asan+ubsan model" env CM384_QUICK=1 ASAN_OPTIONS=detect_leaks=1 "$B/asan/cm384_tests" model
 step "asan+ubsan engine" env CM384_QUICK=1 ASAN_OPTIONS=detect_leaks=1 "$B/asan/cm384_tests" engine
 
