@@ -4384,6 +4384,18 @@ static int gguf_hparams(const gguf_cfg *c, const tensor_table *tt, hparams *hp) 
     for (size_t i = 0; i < sizeof need / sizeof need[0]; i++)
         if (need[i].v <= 0) return fail(CM384_E_FORMAT, "%s: \"%s.%s\" missing or zero", c->path, c->arch, need[i].name);
     if (hp->qk_rope % 2) return fail(CM384_E_FORMAT, "%s: rope.dimension_count must be even", c->path);
+    /* bounds that keep every size the binding multiplies within int (real
+       models are far inside them; the tensors' own shapes are checked next) */
+    struct { const char *name; int v, max; } lim[] = {
+        {"embedding_length", hp->dim, 1 << 20}, {"feed_forward_length", hp->inter, 1 << 20},
+        {"expert_feed_forward_length", hp->moe_inter, 1 << 20}, {"attention.head_count", hp->n_heads, 1024},
+        {"attention.q_lora_rank", hp->q_lora, 1 << 16}, {"attention.kv_lora_rank", hp->kv_lora, 1 << 16},
+        {"rope.dimension_count", hp->qk_rope, 1 << 14}, {"qk_nope", hp->qk_nope, 1 << 16},
+        {"v_head", hp->v_head, 1 << 16}, {"expert_shared_count", hp->n_shared, 64}, {"block_count", hp->n_layers, 4096},
+        {"vocab_size", hp->vocab, 1 << 24}};
+    for (size_t i = 0; i < sizeof lim / sizeof lim[0]; i++)
+        if (lim[i].v > lim[i].max)
+            return fail(CM384_E_UNSUPPORTED, "%s: %s %d is beyond %d", c->path, lim[i].name, lim[i].v, lim[i].max);
     if (hp->n_routed > 0) {
         if (hp->top_k <= 0 || hp->top_k > hp->n_routed || hp->moe_inter <= 0)
             return fail(CM384_E_FORMAT, "%s: bad MoE sizes (expert_used_count %d, expert_count %d, "
