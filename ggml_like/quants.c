@@ -81,7 +81,7 @@ const char *gl_type_name(int type) {
     return "?";
 }
 
-static float gl_load_f16(const uint8_t *p) {
+static inline float gl_load_f16(const uint8_t *p) {
     uint16_t h;
     memcpy(&h, p, 2);
     return gl_f16_to_f32(h);
@@ -293,6 +293,13 @@ static void gl_qmatmul_with(gl_qdeq_fn deq, gl_qfma_fn fma, int lanes, const gl_
 #if defined(GL_HAVE_AVX2)
 /* ---- AVX2 (and AVX-512) ---- */
 
+/* an f16 scale by F16C: the same value as gl_f16_to_f32, subnormals included */
+GL_AVX2_INLINE float qavx2_f16(const uint8_t *p) {
+    uint16_t h;
+    memcpy(&h, p, 2);
+    return _cvtsh_ss(h);
+}
+
 GL_AVX2_INLINE __m256 qavx2_u8x8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepu8_epi32(v)); }
 GL_AVX2_INLINE __m256 qavx2_i8x8(__m128i v) { return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v)); }
 
@@ -417,12 +424,131 @@ static GL_AVX2 void avx2_qfma(const float *wbuf, int nr, const float *x, int ldx
     GL_QTILE_CASES(qavx2_tile)
 }
 
+/* Columns [c, c+32) of a row as 4 x 8 fp32 in registers: the values
+ * gl_block_to_f32 gives, for the decode path below. */
+GL_AVX2_INLINE void qavx2_get32(int type, const uint8_t *row, int c, __m256 v[4]) {
+    const __m128i m4 = _mm_set1_epi8(0x0F), m3 = _mm_set1_epi8(3);
+    switch (type) {
+    case GL_Q8_0: {
+        const uint8_t *b = row + (size_t)(c / 32) * 34;
+        __m256 d = _mm256_set1_ps(qavx2_f16(b));
+        for (int j = 0; j < 4; j++) v[j] = _mm256_mul_ps(d, qavx2_i8x8(_mm_loadl_epi64((const __m128i *)(b + 2 + 8 * j))));
+        break;
+    }
+    case GL_Q4_0: {
+        const uint8_t *b = row + (size_t)(c / 32) * 18;
+        __m256 d = _mm256_set1_ps(qavx2_f16(b)), o = _mm256_set1_ps(8.0f * qavx2_f16(b));
+        __m128i q = _mm_loadu_si128((const __m128i *)(b + 2)), lo = _mm_and_si128(q, m4);
+        __m128i hi = _mm_and_si128(_mm_srli_epi16(q, 4), m4);
+        v[0] = _mm256_fmsub_ps(d, qavx2_u8x8(lo), o);
+        v[1] = _mm256_fmsub_ps(d, qavx2_u8x8(_mm_srli_si128(lo, 8)), o);
+        v[2] = _mm256_fmsub_ps(d, qavx2_u8x8(hi), o);
+        v[3] = _mm256_fmsub_ps(d, qavx2_u8x8(_mm_srli_si128(hi, 8)), o);
+        break;
+    }
+    case GL_Q4_K:
+    case GL_Q5_K: {
+        const uint8_t *b = row + (size_t)(c / 256) * gl_block_bytes(type);
+        int sub = (c % 256) / 32, sc, mn;
+        gl_kq_scale_min(b + 4, sub, &sc, &mn);
+        __m256 d = _mm256_set1_ps(qavx2_f16(b) * (float)sc), o = _mm256_set1_ps(qavx2_f16(b + 2) * (float)mn);
+        const uint8_t *q = (type == GL_Q4_K ? b + 16 : b + 48) + 32 * (sub / 2);
+        __m128i a = _mm_loadu_si128((const __m128i *)q), e = _mm_loadu_si128((const __m128i *)(q + 16));
+        if (sub & 1) { a = _mm_srli_epi16(a, 4); e = _mm_srli_epi16(e, 4); }
+        a = _mm_and_si128(a, m4);
+        e = _mm_and_si128(e, m4);
+        if (type == GL_Q5_K) {
+            const __m128i m1 = _mm_set1_epi8(1), sh = _mm_cvtsi32_si128(sub);
+            a = _mm_or_si128(a, _mm_slli_epi16(_mm_and_si128(_mm_srl_epi16(_mm_loadu_si128((const __m128i *)(b + 16)), sh), m1), 4));
+            e = _mm_or_si128(e, _mm_slli_epi16(_mm_and_si128(_mm_srl_epi16(_mm_loadu_si128((const __m128i *)(b + 32)), sh), m1), 4));
+        }
+        v[0] = _mm256_fmsub_ps(d, qavx2_u8x8(a), o);
+        v[1] = _mm256_fmsub_ps(d, qavx2_u8x8(_mm_srli_si128(a, 8)), o);
+        v[2] = _mm256_fmsub_ps(d, qavx2_u8x8(e), o);
+        v[3] = _mm256_fmsub_ps(d, qavx2_u8x8(_mm_srli_si128(e, 8)), o);
+        break;
+    }
+    case GL_Q6_K: {
+        const uint8_t *b = row + (size_t)(c / 256) * 210;
+        int j = c % 256, h = j / 128, quarter = (j % 128) / 32;
+        const uint8_t *ql = b + 64 * h + (quarter & 1) * 32, *qh = b + 128 + 32 * h;
+        const int8_t *sc = (const int8_t *)(b + 192) + 8 * h + 2 * quarter;
+        float d = qavx2_f16(b + 208);
+        __m128i sh = _mm_cvtsi32_si128(2 * quarter);
+        for (int half = 0; half < 2; half++) {
+            __m128i A = _mm_loadu_si128((const __m128i *)(ql + 16 * half)), H = _mm_loadu_si128((const __m128i *)(qh + 16 * half));
+            if (quarter >= 2) A = _mm_srli_epi16(A, 4);
+            __m128i q = _mm_or_si128(_mm_and_si128(A, m4), _mm_slli_epi16(_mm_and_si128(_mm_srl_epi16(H, sh), m3), 4));
+            q = _mm_sub_epi8(q, _mm_set1_epi8(32));
+            __m256 ds = _mm256_set1_ps(d * (float)sc[half]);
+            v[2 * half] = _mm256_mul_ps(ds, qavx2_i8x8(q));
+            v[2 * half + 1] = _mm256_mul_ps(ds, qavx2_i8x8(_mm_srli_si128(q, 8)));
+        }
+        break;
+    }
+    default: {
+        float buf[32];
+        gl_qrow_span_scalar(type, row, c, 32, buf);
+        for (int k = 0; k < 4; k++) v[k] = _mm256_loadu_ps(buf + 8 * k);
+    }
+    }
+}
+
+/* Decode (one or two tokens): rows streamed once, four at a time (four
+ * independent FMA chains), their values made in registers 32 at a time --
+ * the same values and lane order as the buffered path, so the same bits. */
+#define GL_QMV_ROWS 4
+GL_AVX2_INLINE void qavx2_matvec_rows(const gl_mat *w, const float *x, int n, int ldx, float *y, int ldy, int r, int nr) {
+    const size_t rb = gl_row_bytes(w->type, w->cols);
+    const uint8_t *row[GL_QMV_ROWS];
+    __m256 acc0[GL_QMV_ROWS], acc1[GL_QMV_ROWS], v[4];
+#pragma GCC unroll 4
+    for (int k = 0; k < nr; k++) {
+        row[k] = (const uint8_t *)w->data + (size_t)(r + k) * rb;
+        acc0[k] = acc1[k] = _mm256_setzero_ps();
+    }
+    for (int c = 0; c < w->cols; c += 32) {
+#pragma GCC unroll 4
+        for (int k = 0; k < nr; k++) {
+            qavx2_get32(w->type, row[k], c, v);
+            for (int j = 0; j < 4; j++) acc0[k] = _mm256_fmadd_ps(v[j], _mm256_loadu_ps(x + c + 8 * j), acc0[k]);
+            if (n > 1)
+                for (int j = 0; j < 4; j++) acc1[k] = _mm256_fmadd_ps(v[j], _mm256_loadu_ps(x + ldx + c + 8 * j), acc1[k]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int k = 0; k < nr; k++) {
+        y[r + k] = avx2_hsum(acc0[k]);
+        if (n > 1) y[ldy + r + k] = avx2_hsum(acc1[k]);
+    }
+}
+
+GL_AVX2_INLINE void qavx2_matvec_typed(int type, const gl_mat *w, const float *x, int n, int ldx, float *y, int ldy, int r0, int r1) {
+    gl_mat t = *w;
+    t.type = type;   /* a constant after inlining: the per-block switch folds away */
+    int r = r0;
+    for (; r + GL_QMV_ROWS <= r1; r += GL_QMV_ROWS) qavx2_matvec_rows(&t, x, n, ldx, y, ldy, r, GL_QMV_ROWS);
+    for (; r < r1; r++) qavx2_matvec_rows(&t, x, n, ldx, y, ldy, r, 1);
+}
+
+static GL_AVX2 void avx2_qmatvec(const gl_mat *w, const float *x, int n, int ldx, float *y, int ldy, int r0, int r1) {
+    switch (w->type) {
+    case GL_Q8_0: qavx2_matvec_typed(GL_Q8_0, w, x, n, ldx, y, ldy, r0, r1); break;
+    case GL_Q4_0: qavx2_matvec_typed(GL_Q4_0, w, x, n, ldx, y, ldy, r0, r1); break;
+    case GL_Q4_K: qavx2_matvec_typed(GL_Q4_K, w, x, n, ldx, y, ldy, r0, r1); break;
+    case GL_Q5_K: qavx2_matvec_typed(GL_Q5_K, w, x, n, ldx, y, ldy, r0, r1); break;
+    case GL_Q6_K: qavx2_matvec_typed(GL_Q6_K, w, x, n, ldx, y, ldy, r0, r1); break;
+    default:      qavx2_matvec_typed(w->type, w, x, n, ldx, y, ldy, r0, r1); break;
+    }
+}
+
 static void avx2_qmatmul(const gl_mat *w, const float *x, int n, int ldx, float *y, int ldy, int r0, int r1) {
-    gl_qmatmul_with(avx2_qdeq, avx2_qfma, 8, w, x, n, ldx, y, ldy, r0, r1);
+    if (n <= 2) avx2_qmatvec(w, x, n, ldx, y, ldy, r0, r1);
+    else gl_qmatmul_with(avx2_qdeq, avx2_qfma, 8, w, x, n, ldx, y, ldy, r0, r1);
 }
 
 /* AVX-512: the same dequantized values, 16 lanes (c mod 16) by 512-bit FMA. */
-#define GL_AVX512_TARGET "avx2,fma,f16c,avx512f,avx512vl,avx512bw"
+#define GL_AVX512_TARGET "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512dq"
 #define GL_AVX512_INLINE static inline __attribute__((always_inline, target(GL_AVX512_TARGET)))
 
 GL_AVX512_INLINE void qavx512_tile(const float *wbuf, int nr, const float *x, int ldx, int nt, int nc, float *part) {
@@ -453,8 +579,60 @@ static __attribute__((target(GL_AVX512_TARGET))) void avx512_qfma(const float *w
     GL_QTILE_CASES(qavx512_tile)
 }
 
+/* Decode as in AVX2, 16 lanes: columns c..c+15 are one 512-bit vector. */
+GL_AVX512_INLINE void qavx512_matvec_rows(const gl_mat *w, const float *x, int n, int ldx, float *y, int ldy, int r, int nr) {
+    const size_t rb = gl_row_bytes(w->type, w->cols);
+    const uint8_t *row[GL_QMV_ROWS];
+    __m512 acc0[GL_QMV_ROWS], acc1[GL_QMV_ROWS];
+    __m256 v[4];
+#pragma GCC unroll 4
+    for (int k = 0; k < nr; k++) {
+        row[k] = (const uint8_t *)w->data + (size_t)(r + k) * rb;
+        acc0[k] = acc1[k] = _mm512_setzero_ps();
+    }
+    for (int c = 0; c < w->cols; c += 32) {
+#pragma GCC unroll 4
+        for (int k = 0; k < nr; k++) {
+            qavx2_get32(w->type, row[k], c, v);
+            __m512 a = _mm512_insertf32x8(_mm512_castps256_ps512(v[0]), v[1], 1);
+            __m512 b = _mm512_insertf32x8(_mm512_castps256_ps512(v[2]), v[3], 1);
+            acc0[k] = _mm512_fmadd_ps(b, _mm512_loadu_ps(x + c + 16), _mm512_fmadd_ps(a, _mm512_loadu_ps(x + c), acc0[k]));
+            if (n > 1)
+                acc1[k] = _mm512_fmadd_ps(b, _mm512_loadu_ps(x + ldx + c + 16), _mm512_fmadd_ps(a, _mm512_loadu_ps(x + ldx + c), acc1[k]));
+        }
+    }
+    float p[16];
+#pragma GCC unroll 4
+    for (int k = 0; k < nr; k++) {
+        _mm512_storeu_ps(p, acc0[k]);
+        y[r + k] = gl_qmm_reduce(p, 16);
+        if (n > 1) { _mm512_storeu_ps(p, acc1[k]); y[ldy + r + k] = gl_qmm_reduce(p, 16); }
+    }
+}
+
+GL_AVX512_INLINE void qavx512_matvec_typed(int type, const gl_mat *w, const float *x, int n, int ldx, float *y, int ldy, int r0, int r1) {
+    gl_mat t = *w;
+    t.type = type;
+    int r = r0;
+    for (; r + GL_QMV_ROWS <= r1; r += GL_QMV_ROWS) qavx512_matvec_rows(&t, x, n, ldx, y, ldy, r, GL_QMV_ROWS);
+    for (; r < r1; r++) qavx512_matvec_rows(&t, x, n, ldx, y, ldy, r, 1);
+}
+
+static __attribute__((target(GL_AVX512_TARGET))) void avx512_qmatvec(const gl_mat *w, const float *x, int n, int ldx,
+                                                                    float *y, int ldy, int r0, int r1) {
+    switch (w->type) {
+    case GL_Q8_0: qavx512_matvec_typed(GL_Q8_0, w, x, n, ldx, y, ldy, r0, r1); break;
+    case GL_Q4_0: qavx512_matvec_typed(GL_Q4_0, w, x, n, ldx, y, ldy, r0, r1); break;
+    case GL_Q4_K: qavx512_matvec_typed(GL_Q4_K, w, x, n, ldx, y, ldy, r0, r1); break;
+    case GL_Q5_K: qavx512_matvec_typed(GL_Q5_K, w, x, n, ldx, y, ldy, r0, r1); break;
+    case GL_Q6_K: qavx512_matvec_typed(GL_Q6_K, w, x, n, ldx, y, ldy, r0, r1); break;
+    default:      qavx512_matvec_typed(w->type, w, x, n, ldx, y, ldy, r0, r1); break;
+    }
+}
+
 static void avx512_qmatmul(const gl_mat *w, const float *x, int n, int ldx, float *y, int ldy, int r0, int r1) {
-    gl_qmatmul_with(avx2_qdeq, avx512_qfma, 16, w, x, n, ldx, y, ldy, r0, r1);
+    if (n <= 2) avx512_qmatvec(w, x, n, ldx, y, ldy, r0, r1);
+    else gl_qmatmul_with(avx2_qdeq, avx512_qfma, 16, w, x, n, ldx, y, ldy, r0, r1);
 }
 
 #elif defined(GL_HAVE_NEON)
