@@ -136,6 +136,10 @@ $(B)/fuzz/cm384_fuzz: $(wildcard tests/fuzz/*.c tests/fuzz/*.h) $(SRC) | $(B)/fu
 
 fuzz: $(B)/fuzz/cm384_fuzz
 
+# cm384 and llama.cpp on the same GGUF files (needs the peer: tests/peer/build-llama.sh)
+check-peer: all $(B)/gen_synth $(B)/cm384_tests
+	@B=$(B) sh tests/peer/check-peer.sh $(CHECK_PEER_FLAGS)
+
 # ---- benchmarks ----
 bench: all $(B)/gen_synth $(B)/bench_kernels
 	@B=$(B) sh tests/bench.sh
@@ -165,4 +169,4 @@ uninstall:
 clean:
 	rm -rf $(B) $(DIST)
 
-.PHONY: all run test test-bins fuzz bench peer install uninstall clean amalgamation
+.PHONY: all run test test-bins fuzz bench peer install uninstall clean amalgamation check-peer

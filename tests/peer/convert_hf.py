@@ -2,7 +2,7 @@
 """Runs llama.cpp's own convert_hf_to_gguf.py (from the peer's source tree)
 on a Hugging Face directory, on a machine without `transformers`:
 
-    python3 tests/peer/convert_hf.py LLAMA_CPP_SRC HF_DIR OUT.gguf f32|f16|bf16|q8_0
+    python3 tests/peer/convert_hf.py LLAMA_CPP_SRC HF_DIR OUT.gguf f32|f16|bf16|q8_0 [--vocab-only]
 
 Three things are supplied here, and nothing else is changed:
   1. tests/peer/hf_shim/transformers: AutoConfig (absent: the converter
@@ -29,6 +29,7 @@ import sys
 here = os.path.dirname(os.path.abspath(__file__))
 root = os.path.dirname(os.path.dirname(here))
 src, hf_dir, out, outtype = sys.argv[1:5]
+extra = sys.argv[5:]
 sys.path.insert(0, os.path.join(here, "hf_shim"))
 sys.path.insert(0, src)
 sys.path.insert(1, os.path.join(src, "gguf-py"))
@@ -72,6 +73,6 @@ def get_vocab_base_pre(self, tokenizer):
 
 base.TextModel.get_vocab_base_pre = get_vocab_base_pre
 
-sys.argv = ["convert_hf_to_gguf.py", hf_dir, "--outfile", out, "--outtype", outtype]
+sys.argv = ["convert_hf_to_gguf.py", hf_dir, "--outfile", out, "--outtype", outtype] + extra
 import runpy  # noqa: E402
 runpy.run_path(os.path.join(src, "convert_hf_to_gguf.py"), run_name="__main__")

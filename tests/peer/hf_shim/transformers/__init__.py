@@ -83,6 +83,11 @@ class _Tokenizer:
         return dict(self._added)
 
     def encode(self, text, add_special_tokens=True):
+        if text in self._added:   # an added token alone is its id (HF matches added tokens first)
+            ids = [self._added[text]]
+            if add_special_tokens and self._add_bos and self._bos_id is not None:
+                ids = [self._bos_id] + ids
+            return ids
         out = subprocess.run([CM384, "tokenize", "-m", os.path.join(self.path, "tokenizer.json"), "--quiet", text],
                              check=True, capture_output=True, text=True).stdout
         ids = json.loads(out.splitlines()[0])
