@@ -37,6 +37,14 @@ T="$B/cm384_tests"
 [ -f "$B/models/v3-width/config.json" ] ||
     "$B/gen_synth" --preset tiny --set hidden_size=7168 --no-index "$B/models/v3-width" >/dev/null 2>&1 ||
     echo "   (could not generate $B/models/v3-width)"
+# the unquantized source of the k-quant GGUF fixtures (tests/fixtures/gguf/golden.json)
+[ -f "$B/models/tinyk/config.json" ] ||
+    "$B/gen_synth" -q --preset tiny --set hidden_size=256 --set intermediate_size=256 --set moe_intermediate_size=256 \
+        --set num_hidden_layers=2 --set first_k_dense_replace=1 --set num_attention_heads=2 --set num_key_value_heads=2 \
+        --set q_lora_rank=256 --set kv_lora_rank=256 --set qk_nope_head_dim=128 --set qk_rope_head_dim=64 \
+        --set v_head_dim=128 --set n_routed_experts=4 --set num_experts_per_tok=2 --set n_group=2 --set topk_group=1 \
+        --set num_nextn_predict_layers=0 --set tie_word_embeddings=true --no-index "$B/models/tinyk" >/dev/null 2>&1 ||
+    echo "   (could not generate $B/models/tinyk)"
 # an FP8 model with plain q_proj and two shared experts, for the memory estimate
 [ -f "$B/models/fp8-q-plain/config.json" ] ||
     "$B/gen_synth" --preset tiny --dtype fp8 --set q_lora_rank=null --set num_hidden_layers=2 --set n_shared_experts=2 \

@@ -7,6 +7,7 @@
  * MODEL is a .gguf file or a Hugging Face directory.  The engine runs on one
  * device with fp32 dispatch (the exact default numerics; INT8 dispatch is an
  * approximation this comparison leaves out).  Prints one JSON line. */
+#define _POSIX_C_SOURCE 200809L
 #include "../../cm384.h"
 
 #include <stdio.h>
@@ -51,7 +52,7 @@ int main(int argc, char **argv) {
     c.int8_dispatch = 0;
     c.n_workers = bench && argc > 5 ? atoi(argv[5]) : 2;
     int n = bench ? atoi(argv[3]) + atoi(argv[4]) : argc - 3;
-    c.max_ctx = n + 16;
+    c.max_ctx = (n + 16 + 15) / 16 * 16;   /* whole KV blocks */
     c.max_batch = 1;
     if (cm384_engine_create(m, &c, &e)) { fprintf(stderr, "cm384_logits: %s\n", cm384_last_error()); return 1; }
     double load_ms = now_ms() - t0, rss = peak_rss_mb();
