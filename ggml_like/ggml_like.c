@@ -95,7 +95,7 @@ void gl_row_range_to_f32(const gl_mat *w, int r, int c0, int n, float *out) {
         for (int c = 0; c < n; c++) out[c] = (float)p[c] * s;
         break;
     }
-    default: gl_qrow_to_f32(w, r, out); break;   /* GGUF block formats (quants.c) */
+    default: gl_qrow_range_to_f32(w, r, c0, n, out); break;   /* GGUF block formats (quants.c) */
     }
 }
 

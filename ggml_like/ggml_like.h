@@ -90,6 +90,7 @@ size_t      gl_row_bytes(int type, int cols);        /* bytes of one row of cols
 const char *gl_type_name(int type);                  /* "BF16", "Q4_K", ...                 */
 /* Row r of a block-quantized W to fp32 (what gl_row_to_f32 does for them). */
 void        gl_qrow_to_f32(const gl_mat *w, int r, float *out);
+void        gl_qrow_range_to_f32(const gl_mat *w, int r, int c0, int n, float *out);   /* columns [c0, c0+n) */
 /* One row of cols values (a multiple of 32) to Q8_0 / Q4_0 blocks. */
 void        gl_quantize_row_q8_0(const float *x, int cols, uint8_t *out);
 void        gl_quantize_row_q4_0(const float *x, int cols, uint8_t *out);

@@ -185,9 +185,24 @@ static void gl_qrow_span_scalar(int type, const uint8_t *row, int c0, int nc, fl
     for (int c = 0; c < nc; c += bs) gl_block_to_f32(type, row + (size_t)((c0 + c) / bs) * bb, out + c);
 }
 
-void gl_qrow_to_f32(const gl_mat *w, int r, float *out) {
+void gl_qrow_to_f32(const gl_mat *w, int r, float *out) { gl_qrow_range_to_f32(w, r, 0, w->cols, out); }
+
+/* Columns [c0, c0+n) of row r: whole blocks straight to out, a block cut by
+ * either end through a scratch block. */
+void gl_qrow_range_to_f32(const gl_mat *w, int r, int c0, int n, float *out) {
     const uint8_t *row = (const uint8_t *)w->data + (size_t)r * gl_row_bytes(w->type, w->cols);
-    gl_qrow_span_scalar(w->type, row, 0, w->cols, out);
+    int bs = gl_type_block(w->type);
+    size_t bb = gl_block_bytes(w->type);
+    float tmp[GL_QK_K];
+    for (int c = c0; c < c0 + n;) {
+        int b = c / bs, start = b * bs, end = start + bs < c0 + n ? start + bs : c0 + n;
+        if (start == c && end == start + bs) gl_block_to_f32(w->type, row + (size_t)b * bb, out + (c - c0));
+        else {
+            gl_block_to_f32(w->type, row + (size_t)b * bb, tmp);
+            memcpy(out + (c - c0), tmp + (c - start), (size_t)(end - c) * sizeof(float));
+        }
+        c = end;
+    }
 }
 
 /* Q8_0 as llama.cpp's converter and quantizer write it: d = max|x| / 127
