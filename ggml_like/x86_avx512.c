@@ -246,7 +246,10 @@ static void a512_matmul(const gl_mat *w, const float *x, int n, int ldx, float *
     case GL_F16:     a512_matmul_f16(w, x, n, ldx, y, ldy, r0, r1); break;
     case GL_BF16:    a512_matmul_bf16(w, x, n, ldx, y, ldy, r0, r1); break;
     case GL_F8_E4M3: a512_matmul_f8(w, x, n, ldx, y, ldy, r0, r1); break;
-    default:         scalar_matmul(w, x, n, ldx, y, ldy, r0, r1); break;
+    default:
+        if (gl_type_is_block(w->type)) avx512_qmatmul(w, x, n, ldx, y, ldy, r0, r1);   /* quants.c, 16 lanes */
+        else scalar_matmul(w, x, n, ldx, y, ldy, r0, r1);
+        break;
     }
 }
 
