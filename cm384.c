@@ -3282,10 +3282,20 @@ static int parse_config(const json *cfg, const char *path, hparams *hp) {
     r |= cfg_int(cfg, "max_position_embeddings", 4096, &hp->max_pos, path);
     r |= cfg_int(cfg, "bos_token_id", 0, &hp->bos, path);
     r |= cfg_int(cfg, "eos_token_id", 1, &hp->eos, path);
-    r |= cfg_num(cfg, "routed_scaling_factor", 1.0, &d, path); hp->route_scale = (float)d;
+    /* numbers the math uses as floats: in range before the conversion (a
+       double past FLT_MAX does not convert) */
+    if (cfg_num(cfg, "routed_scaling_factor", 1.0, &d, path)) return CM384_E_FORMAT;
+    if (!(d > 0 && d <= 1e6))
+        return fail(CM384_E_FORMAT, "%s: \"routed_scaling_factor\" %g must be in (0, 1e6]", path, d);
+    hp->route_scale = (float)d;
+    if (cfg_num(cfg, "rms_norm_eps", 1e-6, &d, path)) return CM384_E_FORMAT;
+    if (!(d > 0 && d <= 1) || (float)d == 0)
+        return fail(CM384_E_FORMAT, "%s: \"rms_norm_eps\" %g must be in (0, 1] (and not 0 as a float)", path, d);
+    hp->eps = (float)d;
     r |= cfg_num(cfg, "rope_theta", 10000.0, &hp->rope_theta, path);
-    r |= cfg_num(cfg, "rms_norm_eps", 1e-6, &d, path); hp->eps = (float)d;
     if (r) return CM384_E_FORMAT;
+    if (!(hp->rope_theta > 1))
+        return fail(CM384_E_FORMAT, "%s: \"rope_theta\" %g must be greater than 1", path, hp->rope_theta);
     hp->tie_emb = json_num(cfg, "tie_word_embeddings", 0) != 0;
     hp->norm_topk = json_num(cfg, "norm_topk_prob", 0) != 0;
     if (hp->moe_freq < 1) hp->moe_freq = 1;
@@ -3323,6 +3333,9 @@ static int parse_config(const json *cfg, const char *path, hparams *hp) {
         r |= cfg_num(rs, "mscale", 1, &hp->mscale, path);
         r |= cfg_num(rs, "mscale_all_dim", 0, &hp->mscale_all_dim, path);
         if (r) return CM384_E_FORMAT;
+        if (hp->mscale > 1000 || hp->mscale_all_dim > 1000)    /* the attention scale must stay a float */
+            return fail(CM384_E_FORMAT, "%s: rope_scaling mscale %g / mscale_all_dim %g above 1000", path,
+                        hp->mscale, hp->mscale_all_dim);
         if (hp->yarn_factor <= 1.0) hp->yarn = 0;
     } else if (rs && rs->type != JSON_NULL) {
         return fail(CM384_E_FORMAT, "%s: \"rope_scaling\" must be an object or null", path);
@@ -4142,9 +4155,17 @@ static int load_tokenizer_files(cm384_model *m, const char *dir, int required) {
 }
 
 static int model_q8_at_load(cm384_model *m, int make);      /* section 9 */
-static void model_finish(cm384_model *m) {
+static int model_finish(cm384_model *m) {
     const hparams *hp = &m->hp;
     rope_setup(m);
+    /* whatever rope_scaling says, the frequencies and scales must be numbers */
+    int rope_ok = isfinite(m->attn_scale) && m->attn_scale > 0 && isfinite(m->rope_mscale) && m->rope_mscale > 0;
+    for (int k = 0; k < hp->qk_rope / 2; k++) rope_ok &= isfinite(m->rope_freq[k]) && m->rope_freq[k] > 0;
+    if (!rope_ok)
+        return fail(CM384_E_FORMAT, "%s: rope_theta %g and rope_scaling (factor %g, beta_fast %g, beta_slow %g, "
+                    "mscale %g, mscale_all_dim %g, original_max_position_embeddings %d) give RoPE frequencies or an "
+                    "attention scale that are not positive numbers", m->path, hp->rope_theta, hp->yarn_factor,
+                    hp->beta_fast, hp->beta_slow, hp->mscale, hp->mscale_all_dim, hp->yarn_orig_max);
     /* active parameters per token, as DeepSeek counts them: the main model
        without the embedding table and without the routed experts a token
        does not visit */
@@ -4152,6 +4173,7 @@ static void model_finish(cm384_model *m) {
     for (int l = 0; l < hp->n_layers; l++) n_moe += m->layers[l].is_moe;
     m->n_active_params = m->n_params - m->n_mtp_params - (uint64_t)hp->vocab * hp->dim -
                          n_moe * expert * (uint64_t)(hp->n_routed - hp->top_k);
+    return CM384_OK;
 }
 
 static int model_load_dir(cm384_model *m, const char *dir, const cm384_load_opts *o) {
@@ -4208,7 +4230,7 @@ static int model_load_dir(cm384_model *m, const char *dir, const cm384_load_opts
         if ((r = bind_layer(m, l))) return r;
         if (m->layers[l].wkv_a.type != GL_BF16 || l == 0) m->main_dtype = m->layers[l].wkv_a.type;
     }
-    model_finish(m);
+    if ((r = model_finish(m))) return r;
     m->progress_done = m->progress_total;          /* the stage ends at 100% */
     if ((r = report_progress(m, "tensors", 0))) return r;
 
@@ -4648,7 +4670,7 @@ static int gguf_tokenizer(tokenizer **out, const char *path, const gguf_meta *g)
 }
 
 /* What both loaders finish with: RoPE tables and the active-parameter count. */
-static void model_finish(cm384_model *m);
+static int model_finish(cm384_model *m);
 
 static int model_load_gguf(cm384_model *m, const char *path, const cm384_load_opts *o) {
     int r;
@@ -4690,9 +4712,11 @@ static int model_load_gguf(cm384_model *m, const char *path, const cm384_load_op
         if (l == 0 || (hp->n_routed > 0 && m->layers[l].is_moe && l < hp->n_layers))
             m->main_dtype = m->layers[l].is_moe ? m->layers[l].experts[0].gate.type : m->layers[l].dense.gate.type;
     }
-    model_finish(m);
+    if ((r = model_finish(m))) return r;
+    m->progress_done = m->progress_total;          /* the stage ends at 100% */
+    if ((r = report_progress(m, "tensors", 0))) return r;
     if ((r = gguf_tokenizer(&m->tok, path, &g))) return r;
-    return CM384_OK;
+    return model_q8_at_load(m, o->int8);
 }
 
 int cm384_model_load(const char *path, const cm384_load_opts *opts, cm384_model **out) {
@@ -6905,7 +6929,7 @@ typedef struct q8_plan {
 } q8_plan;
 
 static uint64_t stored_bytes(const gl_mat *w) {
-    return w->data ? (uint64_t)w->rows * w->cols * gl_type_size(w->type) : 0;
+    return w->data ? (uint64_t)w->rows * gl_row_bytes(w->type, w->cols) : 0;
 }
 
 /* One copy; `replaces`: the source is a checkpoint tensor of its own, which

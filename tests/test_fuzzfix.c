@@ -54,7 +54,82 @@ static void ff_misaligned_16bit(void) {
     }
 }
 
+/* Config numbers the math turns into floats or logarithms: rms_norm_eps
+ * 1e106 became +inf when cast to float (the config harness, 252 K runs: its
+ * invariant "eps is a positive number" failed), and rope_theta <= 1, a
+ * beta of 0 or a huge mscale gave NaN or infinite RoPE frequencies.  Each is
+ * refused with CM384_E_FORMAT naming the field; the fixture still loads. */
+static char ff_dir[256];
+
+static int ff_load_with(const char *key, const char *value, cm384_model **m) {
+    char src[512], *text = NULL;
+    FILE *f = fopen("tests/fixtures/tiny-dsv3/config.json", "rb");
+    long n = 0;
+    if (f) { fseek(f, 0, SEEK_END); n = ftell(f); fseek(f, 0, SEEK_SET); }
+    if (!f || n <= 0 || !(text = malloc((size_t)n + 1)) || fread(text, 1, (size_t)n, f) != (size_t)n) {
+        if (f) fclose(f);
+        free(text);
+        return -100;
+    }
+    fclose(f);
+    text[n] = 0;
+    snprintf(src, sizeof src, "%s/config.json", ff_dir);
+    FILE *o = fopen(src, "wb");
+    char *at = key ? strstr(text, key) : NULL;
+    if (!o) { free(text); return -100; }
+    if (at) {                                   /* "key": value, -> "key": new, */
+        char *colon = strchr(at, ':'), *end = colon ? strpbrk(colon, ",\n}") : NULL;
+        fwrite(text, 1, (size_t)(colon + 1 - text), o);
+        fprintf(o, " %s", value);
+        fputs(end, o);
+    } else fputs(text, o);
+    fclose(o);
+    free(text);
+    return cm384_model_load(ff_dir, NULL, m);
+}
+
+static void ff_config_numbers(void) {
+    printf("config numbers that do not make numbers:\n");
+    snprintf(ff_dir, sizeof ff_dir, "/tmp/cm384-test-fuzzfix-XXXXXX");
+    if (!mkdtemp(ff_dir)) { CHECK(0, "mkdtemp"); return; }
+    const char *links[] = {"model.safetensors.index.json", "model-00001-of-00002.safetensors",
+                           "model-00002-of-00002.safetensors"};
+    char cwd[512], from[1024], to[512];
+    if (!getcwd(cwd, sizeof cwd)) cwd[0] = 0;
+    for (int i = 0; i < 3; i++) {
+        snprintf(from, sizeof from, "%s/tests/fixtures/tiny-dsv3/%s", cwd, links[i]);
+        snprintf(to, sizeof to, "%s/%s", ff_dir, links[i]);
+        if (symlink(from, to)) CHECK(0, "symlink %s", to);
+    }
+    cm384_model *m = NULL;
+    int r = ff_load_with(NULL, NULL, &m);
+    CHECK(r == CM384_OK, "the fixture's own config: %s", cm384_last_error());
+    cm384_model_free(m);
+    static const struct { const char *key, *value, *named; } bad[] = {
+        {"\"rms_norm_eps\"", "1e106", "rms_norm_eps"}, {"\"rms_norm_eps\"", "0", "rms_norm_eps"},
+        {"\"rms_norm_eps\"", "1e-50", "rms_norm_eps"}, {"\"rms_norm_eps\"", "-1e-6", "rms_norm_eps"},
+        {"\"routed_scaling_factor\"", "1e300", "routed_scaling_factor"},
+        {"\"routed_scaling_factor\"", "-2.5", "routed_scaling_factor"},
+        {"\"rope_theta\"", "1", "rope_theta"}, {"\"rope_theta\"", "0.5", "rope_theta"},
+        {"\"beta_fast\"", "0", "RoPE frequencies"}, {"\"beta_slow\"", "-1", "RoPE frequencies"},
+        {"\"mscale\"", "1e20", "mscale"}, {"\"factor\"", "1e300", "RoPE frequencies"},
+    };
+    for (size_t i = 0; i < sizeof bad / sizeof bad[0]; i++) {
+        m = NULL;
+        r = ff_load_with(bad[i].key, bad[i].value, &m);
+        CHECK(r == CM384_E_FORMAT && m == NULL && strstr(cm384_last_error(), bad[i].named),
+              "%s %s: status %d, \"%s\"", bad[i].key, bad[i].value, r, cm384_last_error());
+        if (r == CM384_E_FORMAT) printf("  %s %s: %s\n", bad[i].key, bad[i].value, cm384_last_error());
+        cm384_model_free(m);
+    }
+    for (int i = 0; i < 3; i++) { snprintf(to, sizeof to, "%s/%s", ff_dir, links[i]); unlink(to); }
+    snprintf(to, sizeof to, "%s/config.json", ff_dir);
+    unlink(to);
+    rmdir(ff_dir);
+}
+
 TEST_MAIN(fuzzfix) {
     ff_misaligned_16bit();
+    ff_config_numbers();
     return test_summary("fuzzfix");
 }

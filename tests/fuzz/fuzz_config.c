@@ -4,8 +4,10 @@
  * is computed and compared with the tensors.
  * Must hold: a rejected config fails with FORMAT or UNSUPPORTED and a message
  * naming config.json; an accepted one has every size the model math divides
- * by or allocates from in range (what parse_config promises); a load either
- * fails with a status and a message or gives a model whose info matches. */
+ * by or allocates from in range, and eps, rope_theta and the routing scale
+ * positive numbers (what parse_config promises); a load either fails with a
+ * status and a message or gives a model whose info matches the config and
+ * whose RoPE frequencies and attention scale are positive numbers. */
 
 static void fuzz_config_init(void) {
     fuzz_link("tiny-dsv3/model-00001-of-00002.safetensors", "model-00001-of-00002.safetensors");
@@ -27,7 +29,9 @@ static void fuzz_config_hparams(const hparams *hp) {
     }
     if (hp->n_dense > 0 || hp->n_routed == 0) FUZZ_CHECK(hp->inter > 0, "intermediate_size");
     FUZZ_CHECK(hp->bos >= -1 && hp->bos < hp->vocab && hp->eos >= -1 && hp->eos < hp->vocab, "bos %d eos %d", hp->bos, hp->eos);
-    FUZZ_CHECK(isfinite(hp->eps) && isfinite(hp->rope_theta) && isfinite(hp->route_scale), "non-finite number");
+    FUZZ_CHECK(hp->eps > 0 && isfinite(hp->eps) && hp->rope_theta > 1 && isfinite(hp->rope_theta) &&
+               hp->route_scale > 0 && isfinite(hp->route_scale), "eps %g, rope_theta %g, routed_scaling_factor %g",
+               hp->eps, hp->rope_theta, hp->route_scale);
     FUZZ_CHECK(hp->max_pos >= 0, "max_position_embeddings");
     if (hp->yarn) FUZZ_CHECK(hp->yarn_factor > 1, "yarn factor %g", hp->yarn_factor);
 }
@@ -62,6 +66,11 @@ static int fuzz_config(const uint8_t *data, size_t size) {
                in.n_heads == hp.n_heads && in.kv_lora_rank == hp.kv_lora, "info differs from the config");
     FUZZ_CHECK(in.n_active_params <= in.n_params && in.n_params > 0, "parameter counts %llu of %llu",
                (unsigned long long)in.n_active_params, (unsigned long long)in.n_params);
+    /* what the math derives from the config: positive numbers */
+    int ok = isfinite(m->attn_scale) && m->attn_scale > 0 && isfinite(m->rope_mscale) && m->rope_mscale > 0;
+    for (int k = 0; k < m->hp.qk_rope / 2; k++) ok &= isfinite(m->rope_freq[k]) && m->rope_freq[k] > 0;
+    FUZZ_CHECK(ok, "RoPE frequencies or scales are not positive numbers (attn_scale %g, mscale %g)",
+               m->attn_scale, m->rope_mscale);
     cm384_model_free(m);
     return 0;
 }
