@@ -112,6 +112,16 @@ static void pr_sequences(void) {
     cm384_model_free(m);
     cm384_model_free(plain);
 
+    /* a GGUF file goes through the same stages */
+    memset(&log, 0, sizeof log);
+    o.check_values = 0;
+    CHECK(cm384_model_load("tests/fixtures/gguf/tiny-dsv3-bf16.gguf", &o, &m) == CM384_OK, "GGUF int8 load: %s",
+          cm384_last_error());
+    const char *gguf_stages[] = {"tensors", "quantize"};
+    pr_check_sequence(&log, gguf_stages, 2, "GGUF + int8");
+    CHECK(m && m->q8 != NULL, "the GGUF load did not make the INT8 weights");
+    cm384_model_free(m);
+
     /* cancelled half-way through quantizing: the load fails cleanly */
     memset(&log, 0, sizeof log);
     log.cancel_stage = "quantize";
