@@ -43,12 +43,12 @@ expect 0 "" "$CLI" --version
 out_has "^cm384 [0-9]+\.[0-9]+\.[0-9]+$"
 expect 2 "takes no arguments" "$CLI" --version extra
 expect 0 "" "$CLI" help
-for c in run chat tokenize eval perplexity bench info; do out_has "^  $c "; done
+for c in run chat tokenize eval perplexity bench info convert; do out_has "^  $c "; done
 expect 2 "no command \"nope\"" "$CLI" help nope
 expect 2 "unknown command \"nope\"" "$CLI" nope
 expect 2 "unknown command \"-m\"" "$CLI" -m "$M"
 
-for c in run chat tokenize eval perplexity bench info; do
+for c in run chat tokenize eval perplexity bench info convert; do
     echo "$c:"
     expect 0 "" "$CLI" help "$c"
     out_has "^usage: cm384 $c"
@@ -142,6 +142,11 @@ expect 0 "" "$CLI" bench -m "$M" -t 1 -p 8 -n 4 --requests 2 --json
 out_has "^\{.*\"load_s\":[0-9.]+.*\"mem_total_bytes\":[1-9][0-9]*.*\}$"
 expect 0 "" "$CLI" info -m "$M" --check-values
 out_has "deepseek_v3"
+expect 2 "cm384 convert: -o FILE.gguf is required" "$CLI" convert -m "$M"
+expect 2 "" "$CLI" convert -m "$M" -o "$tmp/x.gguf" --type q3
+expect 0 "" "$CLI" convert -m "$M" -o "$tmp/tiny.gguf" --type q8_0
+expect 0 "" "$CLI" info -m "$tmp/tiny.gguf"
+out_has "deepseek"
 
 echo "progress:"
 expect 0 "" "$CLI" info -m "$M" --progress --check-values

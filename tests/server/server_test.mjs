@@ -83,7 +83,9 @@ const memory = (poolBytes) => {
     const b = +r[1] * 1024;
     total += b;
     if (file) files += b;
-    else if (size >= poolBytes && size < poolBytes + 8 * 1048576 && b > pool) { total -= 0; pool = b; }
+    // the pool is madvised for huge pages: the kernel splits its mapping at
+    // 2 MiB boundaries, so its biggest part may be up to 4 MiB smaller
+    else if (size >= poolBytes - 4 * 1048576 && size < poolBytes + 8 * 1048576 && b > pool) { total -= 0; pool = b; }
   }
   return { total, pool, files, other: total - pool - files };
 };
