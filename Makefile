@@ -38,8 +38,8 @@ $(B)/cm384.o: $(SRC) | $(B)
 $(B)/libcm384.a: $(B)/cm384.o
 	ar rcs $@ $^
 
-$(B)/cm384: examples/cm384.c cm384.h $(B)/libcm384.a
-	$(CC) $(CFLAGS) examples/cm384.c $(B)/libcm384.a -o $@ $(LDLIBS)
+$(B)/cm384: examples/cm384.c examples/cm384_project.c cm384.h $(B)/libcm384.a
+	$(CC) $(CFLAGS) examples/cm384.c examples/cm384_project.c $(B)/libcm384.a -o $@ $(LDLIBS)
 
 $(B)/embed: examples/embed.c cm384.h $(B)/libcm384.a
 	$(CC) $(CFLAGS) examples/embed.c $(B)/libcm384.a -o $@ $(LDLIBS)
@@ -77,8 +77,12 @@ $(B)/gen_synth: models/gen/gen_synth.c | $(B)
 	$(CC) -O2 -std=c11 -Wall -Wextra models/gen/gen_synth.c -o $@ -lm
 
 # sampled (temperature 0.8, top-p 0.95, seed 1), with MTP speculative decoding
+# then the run projected on CloudMatrix384: the text report and the picture
+# are left in $(B)/ (docs/how-it-works.md says how to read them)
 run: $(B)/cm384
 	./$(B)/cm384 run -m $(MODEL) -p "$(PROMPT)" -n $(NTOK) --temp 0.8 --top-p 0.95 --seed 1 --mtp --report
+	./$(B)/cm384 project --from-run $(MODEL) --svg $(B)/report.svg > $(B)/report.txt
+	@echo "the run projected on CloudMatrix384: $(B)/report.txt, picture: $(B)/report.svg"
 
 # ---- tests ----
 # The test areas (tests/test_*.c) include cm384.c to reach internals and are

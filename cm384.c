@@ -3784,6 +3784,7 @@ struct cm384_model {
     char         *path;
     hparams       hp;
     int           tokenizer_only;
+    int           config_only;    /* shapes from config.json, no weights (section 15) */
     tokenizer    *tok;
     int           n_files;
     file_map     *files;
@@ -8725,6 +8726,8 @@ int cm384_engine_create(const cm384_model *m, const cm384_config *cfg, cm384_eng
     if (!m || !out) return fail(CM384_E_INVALID, "cm384_engine_create: model and out must not be NULL");
     if (m->tokenizer_only)
         return fail(CM384_E_MISUSE, "%s: a tokenizer-only model has no weights; load a model directory to create an engine", m->path);
+    if (m->config_only)
+        return fail(CM384_E_MISUSE, "%s: a config-only model has no weights (it is for cm384_project)", m->path);
     cm384_config c;
     cm384_config_init(&c);
     if (cfg) {
@@ -9247,4 +9250,1057 @@ const char *cm384_chat_format_name(int format) {
     const char *s = chat_format_name(format);
     return s ? s : "";
 }
+
+/* ======================================================================== */
+/* 15. Projection: this schedule on the real supernode                      */
+/* ======================================================================== */
+/* The projection owns the answer to "what would this run do on a
+ * CloudMatrix384?".  It replays the engine's own schedule at full scale --
+ * the operator sequence and the microbatch pairing of forward_main (section
+ * 10), the expert placement build_topology makes in the paper preset for the
+ * projected model (section 9), EPLB's replicas from eplb_rebalance, the
+ * message sizes moe_layout sends (section 7) -- and prices every operator on
+ * one device of the target machine: a roofline (arithmetic at a measured
+ * fraction of peak, memory at a measured fraction of bandwidth), dispatch
+ * and combine from their bytes at the bandwidth the paper measured for its
+ * fused operators.  Two decode microbatches run on two streams with the
+ * paper's static core split; prefill overlaps its fabric transfers with
+ * compute.  Every number it uses is in proj_params[] below, with its source:
+ * hardware specifications and operator-level measurements only.  The paper's
+ * end-to-end tables are checks (tests/test_project.c), never inputs.
+ *
+ * Number formats: what the engine computes in fp32 (activations, the KV
+ * cache, the attention core) is priced in BF16, the device's 16-bit type;
+ * what is a mechanism in the engine (INT8 weights, INT8 dispatch, the
+ * combine's precision) follows the mechanism's switch and the engine's
+ * message layout. */
+
+/* ---- 15a. The parameters, each with its source ---- */
+
+typedef struct proj_param {
+    const char *profile, *key;
+    double      value;
+    const char *unit, *source;
+} proj_param;
+
+#define PAPER "CloudMatrix384 paper (arXiv 2506.12708)"
+static const proj_param proj_params[] = {
+    /* one Ascend 910C die */
+    {"cloudmatrix384", "dies_per_npu", 2, "dies", PAPER " s1.2: a 910C package holds two dies; per-NPU figures count packages"},
+    {"cloudmatrix384", "bf16_tflops", 376, "TFLOPS", PAPER " s1.2: ~752 TFLOPS BF16 per 910C, 376 per die"},
+    {"cloudmatrix384", "int8_tops", 752, "TOPS", PAPER " s6.1: its tok/s/TFLOPS column implies 1,504 INT8 TOPS per 910C (6,688/4.45)"},
+    {"cloudmatrix384", "hbm_gb", 64, "GB", PAPER " s1.2: 128 GB per 910C"},
+    {"cloudmatrix384", "hbm_gbs", 1600, "GB/s", PAPER " s1.2: ~3.2 TB/s per 910C"},
+    {"cloudmatrix384", "link_gbs", 196, "GB/s", PAPER " s1.2: UB 7 x 224 Gbps, ~196 GB/s per die, one direction"},
+    {"cloudmatrix384", "link_us", 1.2, "us", PAPER " s1.4: NPU-to-NPU UB latency at 512 B"},
+    {"cloudmatrix384", "rdma_gbs", 25, "GB/s", PAPER " s1.2: RDMA 200 Gbps per die"},
+    {"cloudmatrix384", "pool_gbs", 151, "GB/s", PAPER " s1.4: NPU to remote CPU DRAM over UB"},
+    {"cloudmatrix384", "cube_cores", 24, "AIC", PAPER " s1.2: 24 AI Cube + 48 AI Vector cores per die"},
+    {"cloudmatrix384", "attn_cube_cores", 16, "AIC", PAPER " s3.4: stream 0 (attention) 16 AIC + 32 AIV, stream 1 (MoE) 8 AIC + 16 AIV"},
+    {"cloudmatrix384", "gemm_eff", 0.80, "of peak", PAPER " s5: INT8 GEMM 77.4-82.7% of peak (middle of the range)"},
+    {"cloudmatrix384", "mla_flop_eff", 0.654, "of peak", PAPER " s3.3: compute-bound MLA 65.4% of peak"},
+    {"cloudmatrix384", "mla_bw_eff", 0.841, "of HBM bw", PAPER " s3.3: memory-bound MLA 84.1% of HBM bandwidth (also used for weight streaming)"},
+    {"cloudmatrix384", "a2a_tokens", 128, "tokens/rank", PAPER " Table 6: 128 tokens per rank, top-8, hidden 7,168"},
+    {"cloudmatrix384", "a2a_topk", 8, "experts", PAPER " Table 6"},
+    {"cloudmatrix384", "a2a_dispatch_bytes", 7680, "B/msg", PAPER " s3.2: ~7.5 KB per INT8 token message"},
+    {"cloudmatrix384", "a2a_combine_bytes", 14336, "B/msg", PAPER " s3.2: ~14 KB per BF16 token message"},
+    {"cloudmatrix384", "a2a_ep_lo", 8, "ranks", PAPER " Table 6"},
+    {"cloudmatrix384", "a2a_ep_hi", 256, "ranks", PAPER " Table 6"},
+    {"cloudmatrix384", "dispatch_us_lo", 116, "us", PAPER " Table 6: FusedDispatch, EP8"},
+    {"cloudmatrix384", "dispatch_us_hi", 152, "us", PAPER " Table 6: FusedDispatch, EP256"},
+    {"cloudmatrix384", "combine_us_lo", 118, "us", PAPER " Table 6: FusedCombine, EP8"},
+    {"cloudmatrix384", "combine_us_hi", 149, "us", PAPER " Table 6: FusedCombine, EP256"},
+    {"cloudmatrix384", "graph_gap_ms", 0.7, "ms", PAPER " s3.5: 0.6-0.8 ms host bubble per graph launch before graph bundling"},
+    {"cloudmatrix384", "kv_bytes", 2, "B", "not stated by the paper; BF16 assumed (the engine's fp32 priced at 16 bits)"},
+    /* one H800 GPU, the paper's point of comparison */
+    {"h800", "dies_per_npu", 1, "GPU", "one GPU is the unit of the paper's H800 figures"},
+    {"h800", "bf16_tflops", 989, "TFLOPS", "NVIDIA H800 SXM: dense BF16"},
+    {"h800", "int8_tops", 1979, "TOPS", PAPER " s6.1: 1,979 dense FP8 TFLOPS (its per-TFLOPS denominator)"},
+    {"h800", "hbm_gb", 80, "GB", "NVIDIA H800 SXM: 80 GB HBM3"},
+    {"h800", "hbm_gbs", 3350, "GB/s", "NVIDIA H800 SXM: 3.35 TB/s"},
+    {"h800", "link_gbs", 50, "GB/s", "DeepSeek-V3 report s3.2: 50 GB/s InfiniBand per GPU (EP beyond 8 GPUs crosses it)"},
+    {"h800", "link_us", 2.0, "us", "no measurement in our sources; a typical IB RDMA write latency"},
+    {"h800", "rdma_gbs", 50, "GB/s", "DeepSeek-V3 report s3.2: 400 Gbps InfiniBand per GPU"},
+    {"h800", "pool_gbs", 50, "GB/s", "no pooled memory: the scale-out link"},
+    {"h800", "cube_cores", 132, "SMs", "NVIDIA H800 SXM"},
+    {"h800", "attn_cube_cores", 0, "SMs", "no static split: two microbatches interleave compute, only communication overlaps (DeepSeek's decode overlap)"},
+    {"h800", "gemm_eff", 0.78, "of peak", "DeepGEMM README: up to 1,550 FP8 TFLOPS on H800"},
+    {"h800", "mla_flop_eff", 0.667, "of peak", PAPER " s3.3: FlashMLA 66.7% compute utilisation"},
+    {"h800", "mla_bw_eff", 0.896, "of HBM bw", PAPER " s3.3: FlashMLA 89.6% bandwidth utilisation"},
+    {"h800", "a2a_tokens", 128, "tokens/rank", PAPER " Table 6 (DeepEP low-latency kernels)"},
+    {"h800", "a2a_topk", 8, "experts", PAPER " Table 6"},
+    {"h800", "a2a_dispatch_bytes", 7680, "B/msg", "DeepEP: FP8 token + scales, as CloudMatrix's INT8 message"},
+    {"h800", "a2a_combine_bytes", 14336, "B/msg", "DeepEP: BF16 combine"},
+    {"h800", "a2a_ep_lo", 8, "ranks", PAPER " Table 6"},
+    {"h800", "a2a_ep_hi", 256, "ranks", PAPER " Table 6"},
+    {"h800", "dispatch_us_lo", 163, "us", PAPER " Table 6: DeepEP dispatch, EP8"},
+    {"h800", "dispatch_us_hi", 194, "us", PAPER " Table 6: DeepEP dispatch, EP256"},
+    {"h800", "combine_us_lo", 318, "us", PAPER " Table 6: DeepEP combine, EP8"},
+    {"h800", "combine_us_hi", 360, "us", PAPER " Table 6: DeepEP combine, EP256"},
+    {"h800", "graph_gap_ms", 0, "ms", "no measurement in our sources (CUDA graphs); 0"},
+    {"h800", "kv_bytes", 2, "B", "FlashMLA: BF16 KV cache"},
+    /* the workload and deployment the paper evaluates (defaults of cm384_proj_opts) */
+    {"workload", "mtp_accept", 0.7, "", PAPER " s3.5: one draft token, ~70% accepted"},
+    {"workload", "prefill_tokens", 16384, "tokens/NPU", PAPER " Table 2 set-up: 16,384 prompt tokens per accelerator"},
+    {"workload", "max_batch", 128, "requests/NPU", PAPER " Tables 3-4: the largest decode batch the paper (and DeepSeek's profile) runs"},
+    {"workload", "prefill_instances", 6, "instances", PAPER " s2.3: 6 prefill instances of 32 dies, 1 decode instance of 320"},
+};
+#undef PAPER
+
+#define N_PROJ_PARAMS ((int)(sizeof proj_params / sizeof proj_params[0]))
+
+int cm384_hw_param(int i, const char **profile, const char **key, double *value, const char **unit,
+                   const char **source) {
+    if (i < 0 || i >= N_PROJ_PARAMS) return fail(CM384_E_INVALID, "cm384_hw_param: no row %d (%d rows)", i, N_PROJ_PARAMS);
+    const proj_param *p = &proj_params[i];
+    if (profile) *profile = p->profile;
+    if (key) *key = p->key;
+    if (value) *value = p->value;
+    if (unit) *unit = p->unit;
+    if (source) *source = p->source;
+    return N_PROJ_PARAMS;
+}
+
+static double proj_param_value(const char *profile, const char *key) {
+    for (int i = 0; i < N_PROJ_PARAMS; i++)
+        if (!strcmp(proj_params[i].profile, profile) && !strcmp(proj_params[i].key, key)) return proj_params[i].value;
+    return 0;
+}
+
+/* cm384_hw fields by parameter key. */
+static const struct { const char *key; size_t off; } proj_hw_fields[] = {
+#define F(k) {#k, offsetof(cm384_hw, k)}
+    F(dies_per_npu), F(bf16_tflops), F(int8_tops), F(hbm_gb), F(hbm_gbs), F(link_gbs), F(link_us),
+    F(rdma_gbs), F(pool_gbs), F(cube_cores), F(attn_cube_cores), F(gemm_eff), F(mla_flop_eff),
+    F(mla_bw_eff), F(a2a_tokens), F(a2a_topk), F(a2a_dispatch_bytes), F(a2a_combine_bytes),
+    F(a2a_ep_lo), F(a2a_ep_hi), F(dispatch_us_lo), F(dispatch_us_hi), F(combine_us_lo),
+    F(combine_us_hi), F(graph_gap_ms), F(kv_bytes),
+#undef F
+};
+
+int cm384_hw_get(const char *name, cm384_hw *out) {
+    if (!name || !out) return fail(CM384_E_INVALID, "cm384_hw_get: NULL argument");
+    if (strcmp(name, "cloudmatrix384") && strcmp(name, "h800"))
+        return fail(CM384_E_INVALID, "unknown hardware profile \"%s\" (cloudmatrix384, h800)", name);
+    memset(out, 0, sizeof *out);
+    out->struct_size = sizeof *out;
+    snprintf(out->name, sizeof out->name, "%s", name);
+    for (size_t i = 0; i < sizeof proj_hw_fields / sizeof proj_hw_fields[0]; i++)
+        *(double *)((char *)out + proj_hw_fields[i].off) = proj_param_value(name, proj_hw_fields[i].key);
+    return CM384_OK;
+}
+
+/* ---- 15b. A model from its config.json alone ---- */
+
+/* Parameter counts from the shapes, as the loader counts them from tensors:
+ * total, and active per token (no embedding, only the routed experts a
+ * token visits, no MTP module). */
+static void shape_params(const hparams *hp, const layer_w *layers, uint64_t *total, uint64_t *active,
+                         uint64_t *mtp) {
+    uint64_t D = (uint64_t)hp->dim, H = (uint64_t)hp->n_heads, lat = (uint64_t)hp->kv_lora + hp->qk_rope;
+    uint64_t attn = (hp->q_lora ? D * hp->q_lora + (uint64_t)hp->q_lora * H * (hp->qk_nope + hp->qk_rope) + hp->q_lora
+                                : D * H * (hp->qk_nope + hp->qk_rope)) +
+                    D * lat + hp->kv_lora + (uint64_t)hp->kv_lora * H * (hp->qk_nope + hp->v_head) + H * hp->v_head * D +
+                    2 * D;
+    uint64_t expert = 3 * D * hp->moe_inter;
+    uint64_t moe_all = (uint64_t)hp->n_routed * expert + (uint64_t)hp->n_shared * expert + (uint64_t)hp->n_routed * D +
+                       (hp->topk_method == TOPK_NOAUX_TC ? (uint64_t)hp->n_routed : 0);
+    uint64_t moe_active = ((uint64_t)hp->top_k + hp->n_shared) * expert + (uint64_t)hp->n_routed * D;
+    uint64_t dense = 3 * D * hp->inter;
+    uint64_t t = 0, a = 0, m = 0;
+    for (int l = 0; l < hp->n_layers + hp->n_mtp; l++) {
+        int moe = layers[l].is_moe;
+        uint64_t lt = attn + (moe ? moe_all : dense), la = attn + (moe ? moe_active : dense);
+        if (l >= hp->n_layers) { lt += 2 * D * D + 3 * D; m += lt; }
+        else a += la;
+        t += lt;
+    }
+    t += (uint64_t)hp->vocab * D * (hp->tie_emb ? 1 : 2) + D;
+    a += (uint64_t)hp->vocab * D + D;   /* the head */
+    *total = t; *active = a; *mtp = m;
+}
+
+int cm384_model_load_config(const char *path, cm384_model **out) {
+    if (out) *out = NULL;
+    if (!path || !out) return fail(CM384_E_INVALID, "cm384_model_load_config: path and out must not be NULL");
+    cm384_model *m = calloc(1, sizeof *m);
+    if (!m) return fail(CM384_E_NOMEM, "out of memory");
+    pthread_mutex_init(&m->q8_mu, NULL);
+    struct stat st;
+    int r = CM384_OK;
+    if (stat(path, &st) != 0) r = fail(CM384_E_IO, "%s: cannot open: %s", path, strerror(errno));
+    char *cp = r ? NULL : S_ISDIR(st.st_mode) ? path_join(path, "config.json") : strdup(path);
+    if (!r && !cp) r = fail(CM384_E_NOMEM, "out of memory");
+    json cfg;
+    if (!r) r = json_load_file(cp, &m->a, &cfg);
+    if (!r) r = parse_config(&cfg, cp, &m->hp);
+    if (!r) {
+        hparams *hp = &m->hp;
+        int nl = hp->n_layers + hp->n_mtp;
+        m->layers = arena_alloc(&m->a, (size_t)nl * sizeof(layer_w));
+        if (!m->layers) r = fail(CM384_E_NOMEM, "out of memory");
+        else {
+            memset(m->layers, 0, (size_t)nl * sizeof(layer_w));
+            for (int l = 0; l < nl; l++) m->layers[l].is_moe = layer_is_moe(hp, l);
+            shape_params(hp, m->layers, &m->n_params, &m->n_active_params, &m->n_mtp_params);
+            m->main_dtype = json_get(&cfg, "quantization_config") ? GL_F8_E4M3 : GL_BF16;
+            m->weight_bytes = m->n_params * (m->main_dtype == GL_F8_E4M3 ? 1 : 2);
+            m->config_only = 1;
+        }
+    }
+    m->path = cp;
+    if (r) { cm384_model_free(m); return r; }
+    *out = m;
+    return CM384_OK;
+}
+
+/* ---- 15c. Options ---- */
+
+void cm384_proj_opts_init(cm384_proj_opts *o) {
+    if (!o) return;
+    memset(o, 0, sizeof *o);
+    o->struct_size = sizeof *o;
+    o->hw = "cloudmatrix384";
+    o->prompt = 4096;
+    o->output = 256;
+    o->max_batch = (int)proj_param_value("workload", "max_batch");
+    o->tpot_slo_ms = 50;
+    o->mtp_accept = proj_param_value("workload", "mtp_accept");
+    o->prefill_tokens = (int)proj_param_value("workload", "prefill_tokens");
+    o->int8 = o->int8_dispatch = o->bf16_combine = o->mtp = o->eplb = o->graph_bundling = 1;
+    o->microbatches = 2;
+}
+
+void cm384_proj_opts_from_config(cm384_proj_opts *o, const cm384_config *c) {
+    if (!o || !c || c->struct_size < offsetof(cm384_config, tpot_target_ms)) return;
+    int paper = c->preset && !strcmp(c->preset, "paper");
+    o->int8 = c->int8 != 0;
+    o->int8_dispatch = c->int8_dispatch != 0;
+    o->microbatches = c->microbatches > 0 ? (c->microbatches >= 2 ? 2 : 1) : paper ? 2 : 1;
+    o->mtp = c->mtp != 0;
+    if (c->cache_bytes == (size_t)-1) o->cache_reuse = 0;
+    o->bf16_combine = 0;            /* the engine combines in fp32 */
+    o->eplb = paper;                /* redundant experts are re-placed in the paper preset */
+}
+
+/* ---- 15d. The deployment: the engine's own placement at full scale ---- */
+
+/* What one projection needs of the model's shapes. */
+typedef struct proj_shape {
+    double D, H, q_lora, kv_lora, rope, nope, v, lat, inter, moe_inter, E, K, vocab;
+    double n_shared;             /* shared experts fused (intermediate x n_shared) */
+    double p_prolog;             /* q_a + q_b (or q) + kv_a + absorbed W_uk^T      */
+    double p_qkv;                /* q_a + q_b (or q) + kv_a: the expanded form's   */
+    double p_kvb;                /* kv_b, the expanded form's key/value up-proj    */
+    double p_out;                /* absorbed W_uv + o_proj                         */
+    double p_o;                  /* o_proj alone                                   */
+    double p_attn_stored;        /* attention weights as stored                    */
+    double p_expert, p_shared, p_dense, p_router, p_head, p_eh;
+    int    n_layers, n_mtp;
+} proj_shape;
+
+static void proj_shape_of(const hparams *hp, proj_shape *s) {
+    memset(s, 0, sizeof *s);
+    s->D = hp->dim; s->H = hp->n_heads; s->q_lora = hp->q_lora; s->kv_lora = hp->kv_lora;
+    s->rope = hp->qk_rope; s->nope = hp->qk_nope; s->v = hp->v_head; s->lat = s->kv_lora + s->rope;
+    s->inter = hp->inter; s->moe_inter = hp->moe_inter; s->E = hp->n_routed; s->K = hp->top_k;
+    s->vocab = hp->vocab; s->n_shared = hp->n_shared;
+    double q = hp->q_lora ? s->D * s->q_lora + s->q_lora * s->H * (s->nope + s->rope) : s->D * s->H * (s->nope + s->rope);
+    s->p_qkv = q + s->D * s->lat;
+    s->p_prolog = s->p_qkv + s->H * s->nope * s->kv_lora;
+    s->p_kvb = s->kv_lora * s->H * (s->nope + s->v);
+    s->p_o = s->H * s->v * s->D;
+    s->p_out = s->H * s->kv_lora * s->v + s->p_o;
+    s->p_attn_stored = s->p_qkv + s->p_kvb + s->p_o;
+    s->p_expert = 3 * s->D * s->moe_inter;
+    s->p_shared = s->n_shared * s->p_expert;
+    s->p_dense = 3 * s->D * s->inter;
+    s->p_router = s->D * s->E;
+    s->p_head = s->vocab * s->D;
+    s->p_eh = 2 * s->D * s->D;
+    s->n_layers = hp->n_layers; s->n_mtp = hp->n_mtp;
+}
+
+/* The engine's paper-preset topology for model m, built by the engine's own
+ * build_topology on a shadow engine (no pool, no threads). */
+static int proj_topology(const cm384_model *m, struct cm384_engine *e) {
+    memset(e, 0, sizeof *e);
+    e->m = m;
+    cm384_config_init(&e->cfg);
+    snprintf(e->preset, sizeof e->preset, "paper");
+    e->n_workers = 1;
+    const hparams *hp = &m->hp;
+    int E = hp->n_routed, K = hp->top_k > 0 ? hp->top_k : 1;
+    int need = (E >= 8 ? E / 8 : 1) + E + (hp->n_shared ? (E / K > 0 ? E / K : 1) : 0) + (E >= 8 ? E / 8 : 1);
+    e->cfg.n_devices = need > e->cfg.n_devices ? need : e->cfg.n_devices;
+    return build_topology(e);
+}
+
+static void proj_topology_free(struct cm384_engine *e) {
+    pl_free(&e->place[0]);
+    pl_free(&e->place[1]);
+    CM384_FREE(e->dev); CM384_FREE(e->pre_devs); CM384_FREE(e->attn_devs); CM384_FREE(e->red_devs);
+}
+
+/* ---- 15e. Expert load: perfect, or measured on a run and carried over ---- */
+
+static uint64_t proj_rng(uint64_t *s) { *s += 0x9e3779b97f4a7c15ull; return mix64(*s); }
+
+/* Per-expert routing probabilities (sum 1) of projected MoE layer j: uniform,
+ * or the measured layer j % load_layers mapped onto E experts by quantiles
+ * (the sorted load curve stretched to E points) and spread over expert ids
+ * by a fixed pseudo-random permutation (seed `perm`). */
+static void proj_layer_probs(const cm384_proj_opts *o, int j, int E, uint64_t perm, double *p) {
+    if (!o->expert_load || o->load_layers <= 0 || o->load_experts <= 0) {
+        for (int x = 0; x < E; x++) p[x] = 1.0 / E;
+        return;
+    }
+    int Es = o->load_experts;
+    const uint64_t *ld = o->expert_load + (size_t)(j % o->load_layers) * Es;
+    double *s = CM384_MALLOC((size_t)Es * sizeof(double));
+    int *idx = CM384_MALLOC((size_t)E * sizeof(int));
+    if (!s || !idx) {                      /* out of memory: fall back to uniform */
+        CM384_FREE(s); CM384_FREE(idx);
+        for (int x = 0; x < E; x++) p[x] = 1.0 / E;
+        return;
+    }
+    double sum = 0;
+    for (int i = 0; i < Es; i++) { s[i] = (double)ld[i]; sum += s[i]; }
+    for (int i = 1; i < Es; i++) {                       /* ascending */
+        double v = s[i]; int k = i;
+        while (k > 0 && s[k - 1] > v) { s[k] = s[k - 1]; k--; }
+        s[k] = v;
+    }
+    double tot = 0;
+    for (int x = 0; x < E; x++) {
+        double u = ((x + 0.5) / E) * Es - 0.5;
+        if (u < 0) u = 0;
+        if (u > Es - 1) u = Es - 1;
+        int i0 = (int)u, i1 = i0 + 1 < Es ? i0 + 1 : i0;
+        double f = u - i0, val = sum > 0 ? s[i0] * (1 - f) + s[i1] * f : 1.0;
+        p[x] = val;
+        tot += val;
+    }
+    for (int x = 0; x < E; x++) idx[x] = x;
+    uint64_t st = perm * 0x2545f4914f6cdd1dull + (uint64_t)j;
+    for (int x = E - 1; x > 0; x--) {
+        int y = (int)(proj_rng(&st) % (uint64_t)(x + 1));
+        int t = idx[x]; idx[x] = idx[y]; idx[y] = t;
+    }
+    double *q = CM384_MALLOC((size_t)E * sizeof(double));
+    if (q) {
+        for (int x = 0; x < E; x++) q[idx[x]] = tot > 0 ? p[x] / tot : 1.0 / E;
+        memcpy(p, q, (size_t)E * sizeof(double));
+        CM384_FREE(q);
+    } else {
+        for (int x = 0; x < E; x++) p[x] = tot > 0 ? p[x] / tot : 1.0 / E;
+    }
+    CM384_FREE(s);
+    CM384_FREE(idx);
+}
+
+/* Expected rows per device per token of one layer under a placement: a
+ * token sends K rows to its experts (a replicated expert's rows split evenly
+ * over its replicas, as moe_layout's t % n_rep does) and one to a shared
+ * replica when the placement has them.  rows[] has n_dev entries. */
+static void proj_device_rows(const placement *pl, int l, int E, int K, const double *p, double *rows, int n_dev) {
+    const int *dev = pl_dev(pl, l), *nrep = pl_nrep(pl, l, E);
+    for (int d = 0; d < n_dev; d++) rows[d] = 0;
+    for (int x = 0; x < E; x++)
+        for (int r = 0; r < nrep[x]; r++) {
+            int d = dev[x * pl->max_rep + r];
+            if (d >= 0 && d < n_dev) rows[d] += K * p[x] / nrep[x];
+        }
+    for (int j = 0; j < pl->n_shared; j++) {
+        int d = dev[E * pl->max_rep + j];
+        if (d >= 0 && d < n_dev) rows[d] += 1.0 / pl->n_shared;
+    }
+}
+
+/* Per projected MoE layer: the busiest expert device's rows per token, in
+ * decode and in prefill, averaged over a few expert-id permutations (the
+ * expectation of the max).  Also the per-device loads of the first MoE layer
+ * without and with EPLB, for the picture. */
+typedef struct proj_load {
+    int     n_moe;                 /* main MoE layers + the MTP layer's      */
+    double *dec_max, *pre_max;     /* [n_moe] rows per token of the busiest  */
+    double  dec_mean, pre_mean;    /* mean over expert devices               */
+    double  dec_imb, pre_imb;      /* mean over layers of max/mean           */
+} proj_load;
+
+#define PROJ_PERMS 8
+
+static int proj_loads(const cm384_model *m, const cm384_proj_opts *o, struct cm384_engine *sh, proj_load *L,
+                       cm384_projection *out) {
+    const hparams *hp = &m->hp;
+    int E = hp->n_routed, K = hp->top_k, NL = hp->n_layers + hp->n_mtp, nd = sh->n_dev;
+    int measured = o->expert_load && o->load_layers > 0 && o->load_experts > 0;
+    memset(L, 0, sizeof *L);
+    for (int l = 0; l < NL; l++) L->n_moe += m->layers[l].is_moe;
+    L->dec_max = CM384_CALLOC((size_t)L->n_moe + 1, sizeof(double));
+    L->pre_max = CM384_CALLOC((size_t)L->n_moe + 1, sizeof(double));
+    double *p = CM384_MALLOC((size_t)E * sizeof(double));
+    double *rows = CM384_MALLOC((size_t)nd * sizeof(double));
+    uint64_t *ld = CM384_CALLOC((size_t)NL * E, sizeof(uint64_t));
+    if (!L->dec_max || !L->pre_max || !p || !rows || !ld) {
+        CM384_FREE(p); CM384_FREE(rows); CM384_FREE(ld);
+        return fail(CM384_E_NOMEM, "out of memory for the projection");
+    }
+    int n_exp_dec = 0, n_exp_pre = sh->n_pre;
+    for (int d = 0; d < nd; d++) n_exp_dec += (sh->dev[d].roles & (ROLE_EXPERT | ROLE_SHARED)) != 0;
+    const placement *pd = &sh->place[PHASE_DECODE], *pp = &sh->place[PHASE_PREFILL];
+    L->dec_mean = (K + (pd->n_shared ? 1.0 : 0.0)) / n_exp_dec;
+    L->pre_mean = (double)K / n_exp_pre;
+    int perms = measured ? PROJ_PERMS : 1;
+    for (int pi = 0; pi < perms; pi++) {
+        /* EPLB sees the load of every layer of this permutation */
+        int j = 0;
+        for (int l = 0; l < NL; l++) {
+            if (!m->layers[l].is_moe) continue;
+            proj_layer_probs(o, j++, E, (uint64_t)pi + 1, p);
+            for (int x = 0; x < E; x++) ld[(size_t)l * E + x] = (uint64_t)(p[x] * 1e9);
+        }
+        if (o->eplb && measured) eplb_rebalance(sh, ld);
+        j = 0;
+        for (int l = 0; l < NL; l++) {
+            if (!m->layers[l].is_moe) continue;
+            for (int x = 0; x < E; x++) p[x] = ld[(size_t)l * E + x] / 1e9;
+            proj_device_rows(pd, l, E, K, p, rows, nd);
+            double mx = 0;
+            for (int d = 0; d < nd; d++) if (rows[d] > mx) mx = rows[d];
+            L->dec_max[j] += mx / perms;
+            proj_device_rows(pp, l, E, K, p, rows, nd);
+            mx = 0;
+            for (int d = 0; d < nd; d++) if (rows[d] > mx) mx = rows[d];
+            L->pre_max[j] += mx / perms;
+            j++;
+        }
+    }
+    /* the picture: first MoE layer, first permutation, without and with EPLB */
+    int l0 = 0;
+    while (l0 < NL && !m->layers[l0].is_moe) l0++;
+    if (out && l0 < NL) {
+        proj_layer_probs(o, 0, E, 1, p);
+        for (int l = 0; l < NL; l++)
+            for (int x = 0; x < E; x++) ld[(size_t)l * E + x] = m->layers[l].is_moe ? (uint64_t)(p[x] * 1e9) : 0;
+        struct cm384_engine fresh;
+        int n = 0;
+        if (proj_topology(m, &fresh) == CM384_OK) {
+            for (int pass = 0; pass < 2; pass++) {
+                if (pass == 1) eplb_rebalance(&fresh, ld);
+                proj_device_rows(&fresh.place[PHASE_DECODE], l0, E, K, p, rows, nd);
+                n = 0;
+                for (int d = 0; d < nd && n < CM384_PROJ_MAX_DEVICES; d++) {
+                    if (!(fresh.dev[d].roles & (ROLE_EXPERT | ROLE_SHARED))) continue;
+                    float v = (float)(rows[d] / L->dec_mean);
+                    if (pass == 0) out->load_no_eplb[n++] = v; else out->load_eplb[n++] = v;
+                }
+            }
+        }
+        proj_topology_free(&fresh);
+        out->n_load_devices = n;
+    }
+    double si = 0, sp = 0;
+    for (int j = 0; j < L->n_moe; j++) { si += L->dec_max[j] / L->dec_mean; sp += L->pre_max[j] / L->pre_mean; }
+    L->dec_imb = L->n_moe ? si / L->n_moe : 1;
+    L->pre_imb = L->n_moe ? sp / L->n_moe : 1;
+    CM384_FREE(p); CM384_FREE(rows); CM384_FREE(ld);
+    return CM384_OK;
+}
+
+static void proj_load_free(proj_load *L) { CM384_FREE(L->dec_max); CM384_FREE(L->pre_max); }
+
+/* ---- 15f. Pricing operators ---- */
+
+/* One operator's demand on one device. */
+typedef struct pop {
+    const char *name;
+    double flops;       /* arithmetic                                     */
+    int    f8;          /* 8-bit arithmetic (INT8 / FP8 peak)             */
+    int    mla;         /* the attention core: MLA's efficiencies         */
+    double bytes;       /* HBM traffic                                    */
+    double net;         /* fabric bytes (the busier of send and receive)  */
+    int    net_kind;    /* 1 dispatch, 2 combine (measured fused ops), 3 bulk on the link */
+    int    lane;        /* for the timeline                               */
+} pop;
+
+typedef struct proj_ctx {
+    const cm384_hw  *hw;
+    const cm384_proj_opts *o;
+    proj_shape       s;
+    double           ep_decode, ep_prefill;
+    double           wb;              /* bytes per weight                 */
+    double           msg_d, msg_c;    /* bytes per dispatch / combine message */
+    int              shared_dest;     /* decode: a token also sends to a shared replica */
+    int              n_dec, n_pre;    /* decode devices, prefill devices (one instance) */
+} proj_ctx;
+
+/* Latency of a fused all-to-all moving `bytes` per rank at EP degree ep:
+ * the measured latency at the reference message volume, interpolated in
+ * log(EP) between the two measured degrees (extrapolated beyond them), and
+ * scaled by bytes -- i.e. the measured effective bandwidth. */
+static double proj_a2a_us(const cm384_hw *hw, int combine, double ep, double bytes, int affine) {
+    double lo = combine ? hw->combine_us_lo : hw->dispatch_us_lo, hi = combine ? hw->combine_us_hi : hw->dispatch_us_hi;
+    double ref = hw->a2a_tokens * hw->a2a_topk * (combine ? hw->a2a_combine_bytes : hw->a2a_dispatch_bytes);
+    if (ref <= 0 || lo <= 0) return bytes / (hw->link_gbs * 1e3);
+    double f = hw->a2a_ep_hi > hw->a2a_ep_lo && ep > hw->a2a_ep_lo
+             ? (log(ep) - log(hw->a2a_ep_lo)) / (log(hw->a2a_ep_hi) - log(hw->a2a_ep_lo)) : 0;
+    double lat = lo + (hi - lo) * f;
+    if (affine) {            /* the part the link's rate does not explain is fixed */
+        double wire = ref / (hw->link_gbs * 1e3), fixed = lat - wire;
+        return (fixed > 0 ? fixed : 0) + bytes / (hw->link_gbs * 1e3);
+    }
+    return lat * bytes / ref;
+}
+
+/* moe_layout's messages (section 7): a dispatched token is its payload (INT8
+ * with a 4-byte scale, or fp32) and 8 bytes of routing metadata; a combined
+ * one is the expert's output row (BF16 or fp32). */
+static void proj_msg_bytes(int dim, int int8_dispatch, int bf16_combine, double *dispatch, double *combine) {
+    *dispatch = int8_dispatch ? (double)dim + 4 + 8 : 4.0 * dim + 8;
+    *combine = bf16_combine ? 2.0 * dim : 4.0 * dim;
+}
+
+/* Time of an operator (us) on a fraction `share` of the device's cores,
+ * and what bounds it. */
+static double pop_time(const proj_ctx *c, const pop *p, double share, double ep, char *bound) {
+    const cm384_hw *hw = c->hw;
+    double tc = 0, tm = 0, tn = 0;
+    if (p->flops > 0) {
+        double peak = (p->f8 ? hw->int8_tops : hw->bf16_tflops) * 1e6;       /* flops per us */
+        double eff = p->mla ? hw->mla_flop_eff : hw->gemm_eff;
+        tc = p->flops / (peak * eff * (share > 0 ? share : 1));
+    }
+    if (p->bytes > 0) tm = p->bytes / (hw->hbm_gbs * 1e3 * hw->mla_bw_eff);
+    if (p->net > 0) {
+        if (p->net_kind == 3) tn = p->net / (hw->link_gbs * 1e3) + hw->link_us;
+        else tn = proj_a2a_us(hw, p->net_kind == 2, ep, p->net, c->o->a2a_affine) + hw->link_us;
+    }
+    double t = tc > tm ? tc : tm;
+    if (tn > t) t = tn;
+    if (bound) *bound = t == 0 ? '-' : t == tn ? 'n' : t == tc ? 'c' : 'm';
+    return t;
+}
+
+/* ---- 15g. The engine's operators at full scale ---- */
+/* seq_op's operator list: attention and feed-forward of every layer, then
+ * the head; each becomes a short list of pops for n tokens of r requests
+ * at mean context ctx. */
+
+enum { PK_ATTN, PK_FFN, PK_HEAD, PK_MTP_IN };
+
+typedef struct pbatch {
+    double n, r, ctx;            /* tokens, requests, mean keys per query (decode) */
+    int    prefill;
+    double n_all;                /* prefill: tokens incl. cached (expanded kv_b)   */
+    double keys;                 /* prefill: mean keys per new token               */
+    double tokens_total;         /* tokens of this microbatch over all devices     */
+} pbatch;
+
+static int proj_ops(const proj_ctx *c, int kind, int layer, int moe_j, const pbatch *b, const proj_load *L,
+                    pop *out) {
+    const proj_shape *s = &c->s;
+    const cm384_proj_opts *o = c->o;
+    double n = b->n, act = 2.0;     /* BF16 activations */
+    int k = 0;
+    if (kind == PK_MTP_IN) {
+        out[k++] = (pop){"eh_proj", 2 * n * s->p_eh, o->int8, 0, s->p_eh * c->wb + n * 3 * s->D * act, 0, 0, 0};
+        return k;
+    }
+    if (kind == PK_HEAD) {
+        double rows = b->prefill ? b->r : n;            /* prefill: one row per request */
+        out[k++] = (pop){"head", 2 * rows * s->p_head, o->int8, 0, s->p_head * c->wb + rows * s->D * act, 0, 0, 0};
+        return k;
+    }
+    if (kind == PK_ATTN) {
+        int expanded = b->prefill && o->prefill_expanded;
+        double qkv = expanded ? s->p_qkv : s->p_prolog;
+        out[k++] = (pop){"MLAProlog", 2 * n * qkv, o->int8, 0,
+                         qkv * c->wb + n * (s->D * act + s->lat * c->hw->kv_bytes), 0, 0, 0};
+        if (expanded) {   /* keys and values of the whole context, cached prefix included */
+            out[k++] = (pop){"kv_b", 2 * b->n_all * s->p_kvb, o->int8, 0, s->p_kvb * c->wb, 0, 0, 0};
+        }
+        double per_key = expanded ? s->H * (s->nope + s->rope + s->v) : s->H * (2 * s->kv_lora + s->rope);
+        double keys = b->prefill ? b->keys : b->ctx;
+        double kv_read = b->prefill ? b->n_all * s->lat * c->hw->kv_bytes : b->r * b->ctx * s->lat * c->hw->kv_bytes;
+        out[k++] = (pop){"attention", 2 * n * per_key * keys, 0, 1, kv_read, 0, 0, 0};
+        double po = expanded ? s->p_o : s->p_out;
+        out[k++] = (pop){"o_proj", 2 * n * po, o->int8, 0, po * c->wb + n * s->D * act, 0, 0, 0};
+        if (b->prefill && c->n_pre > 1) {
+            /* SP-TP-SP: all-gather the q and kv latents for the head-parallel
+               core, all-to-all its outputs back to the token owners */
+            double np = c->n_pre;
+            out[k++] = (pop){"all-gather", 0, 0, 0, 0, (np - 1) * n * (s->q_lora + s->lat) * act, 3, 2};
+            out[k++] = (pop){"all-to-all", 0, 0, 0, 0, (np - 1) / np * n * s->H * s->v * act, 3, 2};
+        }
+        return k;
+    }
+    /* PK_FFN */
+    if (moe_j < 0) {
+        out[k++] = (pop){"dense FFN", 2 * n * s->p_dense, o->int8, 0, s->p_dense * c->wb + n * s->D * act, 0, 0, 1};
+        return k;
+    }
+    double ep = b->prefill ? c->ep_prefill : c->ep_decode;
+    double per_tok_max = b->prefill ? L->pre_max[moe_j] : L->dec_max[moe_j];
+    double rows = b->tokens_total * per_tok_max;                 /* the busiest device's rows */
+    double dests = s->K + (b->prefill ? 0 : c->shared_dest);
+    double local = b->prefill ? 1.0 / ep : 1.0 / ep;
+    double sent_d = n * dests * c->msg_d * (1 - local), recv_d = rows * c->msg_d;
+    double sent_c = rows * c->msg_c, recv_c = n * dests * c->msg_c * (1 - local);
+    int kind_net = b->prefill ? 3 : 0;
+    out[k++] = (pop){"gate", 2 * n * s->p_router, 0, 0, s->p_router * 2 + n * s->D * act, 0, 0, 1};
+    out[k++] = (pop){"dispatch", 0, 0, 0, 0, sent_d > recv_d ? sent_d : recv_d, kind_net ? 3 : 1, b->prefill ? 2 : 1};
+    double hosted = b->prefill ? s->E / c->n_pre : 1;           /* experts whose weights a device reads */
+    out[k++] = (pop){"experts", 2 * rows * s->p_expert, o->int8, 0,
+                     hosted * s->p_expert * c->wb + rows * (s->D + 2 * s->moe_inter) * act, 0, 0, 1};
+    if (b->prefill && s->p_shared > 0)
+        out[k++] = (pop){"shared expert", 2 * n * s->p_shared, o->int8, 0, s->p_shared * c->wb + n * s->D * act, 0, 0, 1};
+    out[k++] = (pop){"combine", 0, 0, 0, n * dests * s->D * act,
+                     sent_c > recv_c ? sent_c : recv_c, kind_net ? 3 : 2, b->prefill ? 2 : 1};
+    (void)layer;
+    return k;
+}
+
+/* One stream's time for an operator's pops on `share` of the cores; the
+ * compute (non-fabric) part alone in *compute, the fabric part in *net. */
+static double proj_stream(const proj_ctx *c, const pop *p, int n, double share, double ep, double *compute,
+                          double *net, double *bytes) {
+    double t = 0, cm = 0, nt = 0, by = 0;
+    for (int i = 0; i < n; i++) {
+        double ti = pop_time(c, &p[i], share, ep, NULL);
+        t += ti;
+        if (p[i].net > 0) nt += ti; else cm += ti;
+        by += p[i].bytes;
+    }
+    if (compute) *compute = cm;
+    if (net) *net = nt;
+    if (bytes) *bytes = by;
+    return t;
+}
+
+/* Appends an operator's pops to a timeline starting at t0 on `lane`. */
+static double proj_timeline(const proj_ctx *c, const pop *p, int n, double share, double ep, int mb, int lane_base,
+                            double t0, cm384_proj_op *ops, int *n_ops) {
+    double t = t0;
+    for (int i = 0; i < n && *n_ops < CM384_PROJ_MAX_OPS; i++) {
+        cm384_proj_op *q = &ops[(*n_ops)++];
+        memset(q, 0, sizeof *q);
+        snprintf(q->name, sizeof q->name, "%s", p[i].name);
+        double d = pop_time(c, &p[i], share, ep, &q->bound);
+        q->lane = p[i].net_kind == 3 ? 2 : lane_base;
+        q->microbatch = mb;
+        q->start_us = t;
+        q->dur_us = d;
+        q->flops = p[i].flops; q->bytes = p[i].bytes; q->net_bytes = p[i].net;
+        t += d;
+    }
+    return t;
+}
+
+/* One region of the engine's schedule: operator x of one microbatch beside
+ * operator y of the other (either may be absent).  With a static core split
+ * (CloudMatrix decode) each runs on its stream's cores and they share the
+ * HBM; without one (prefill, H800) compute serializes and fabric transfers
+ * overlap. */
+static double proj_region(const proj_ctx *c, const pop *x, int nx, int x_attn, const pop *y, int ny, double ep,
+                          int split) {
+    double cx = 0, cy = 0, netx = 0, nety = 0, bx = 0, by = 0;
+    if (split) {
+        double f0 = c->hw->cube_cores > 0 ? c->hw->attn_cube_cores / c->hw->cube_cores : 0.5;
+        double sx = x_attn ? f0 : 1 - f0, sy = x_attn ? 1 - f0 : f0;
+        double tx = nx ? proj_stream(c, x, nx, sx, ep, NULL, NULL, &bx) : 0;
+        double ty = ny ? proj_stream(c, y, ny, sy, ep, NULL, NULL, &by) : 0;
+        double tm = (bx + by) / (c->hw->hbm_gbs * 1e3 * c->hw->mla_bw_eff);
+        double t = tx > ty ? tx : ty;
+        return t > tm ? t : tm;
+    }
+    double tx = nx ? proj_stream(c, x, nx, 1, ep, &cx, &netx, NULL) : 0;
+    double ty = ny ? proj_stream(c, y, ny, 1, ep, &cy, &nety, NULL) : 0;
+    if (!nx || !ny) return tx + ty;
+    double t = cx + cy, tn = netx + nety;
+    if (tn > t) t = tn;
+    if (tx > t) t = tx;
+    if (ty > t) t = ty;
+    return t;
+}
+
+/* seq_op's i-th operator of the main model: kind, layer, MoE index. */
+static void proj_seq(const cm384_model *m, int i, int *kind, int *layer, int *moe_j) {
+    int NL = m->hp.n_layers;
+    *moe_j = -1;
+    if (i >= 2 * NL) { *kind = PK_HEAD; *layer = -1; return; }
+    *layer = i / 2;
+    *kind = i % 2 ? PK_FFN : PK_ATTN;
+    if (*kind == PK_FFN && m->layers[*layer].is_moe) {
+        int j = 0;
+        for (int l = 0; l < *layer; l++) j += m->layers[l].is_moe;
+        *moe_j = j;
+    }
+}
+
+/* forward_main at full scale: n_mb microbatches (b[0], b[1]) through every
+ * operator, regions as the engine forms them.  Returns us; acc (may be
+ * NULL) gets the time by part: dense layers, MoE layers, head. */
+static double proj_forward(const proj_ctx *c, const cm384_model *m, const pbatch *b, int n_mb, const proj_load *L,
+                           int split, double ep, double *acc) {
+    int n_ops = 2 * m->hp.n_layers + 1;
+    pop px[16], py[16];
+    double t = 0;
+    for (int i = 0; i <= n_ops; i++) {
+        int kx = -1, ky = -1, layer, j, nx = 0, ny = 0, lx = -1, ly = -1;
+        if (i < n_ops) { proj_seq(m, i, &kx, &lx, &j); nx = proj_ops(c, kx, lx, j, &b[0], L, px); }
+        if (n_mb == 2 && i >= 1) { proj_seq(m, i - 1, &ky, &ly, &j); ny = proj_ops(c, ky, ly, j, &b[1], L, py); }
+        double dt;
+        if (n_mb == 1) {
+            if (!nx) break;
+            dt = proj_region(c, px, nx, 1, NULL, 0, ep, 0);
+        } else if (!nx) {
+            dt = proj_region(c, py, ny, ky != PK_FFN, NULL, 0, ep, split);
+        } else {
+            dt = proj_region(c, px, nx, kx != PK_FFN, py, ny, ep, split);
+        }
+        t += dt;
+        if (acc) {
+            int kind = nx ? kx : ky;
+            layer = nx ? lx : ly;
+            int part = kind == PK_HEAD ? 2 : m->layers[layer].is_moe ? 1 : 0;
+            acc[part] += dt;
+        }
+    }
+    return t;
+}
+
+/* The MTP module (mtp_step: one microbatch after the main model). */
+static double proj_mtp(const proj_ctx *c, const cm384_model *m, const pbatch *b, const proj_load *L, double ep) {
+    pop p[16];
+    int n, j = L->n_moe - 1;
+    double t = 0;
+    n = proj_ops(c, PK_MTP_IN, m->hp.n_layers, -1, b, L, p); t += proj_region(c, p, n, 1, NULL, 0, ep, 0);
+    n = proj_ops(c, PK_ATTN, m->hp.n_layers, -1, b, L, p);   t += proj_region(c, p, n, 1, NULL, 0, ep, 0);
+    n = proj_ops(c, PK_FFN, m->hp.n_layers, j, b, L, p);     t += proj_region(c, p, n, 1, NULL, 0, ep, 0);
+    n = proj_ops(c, PK_HEAD, m->hp.n_layers, -1, b, L, p);   t += proj_region(c, p, n, 1, NULL, 0, ep, 0);
+    return t;
+}
+
+/* ---- 15h. Decode and prefill ---- */
+
+typedef struct proj_decode { double step_us, main_us, mtp_us, gap_us, tpot_ms, tok_s, hbm_gb, layer_us, parts[3]; } proj_decode;
+
+/* Splits r requests per device into the engine's microbatches (run_phase
+ * splits by tokens into halves) and prices one decode step. */
+static void proj_decode_step(const proj_ctx *c, const cm384_model *m, double batch_npu, const proj_load *L,
+                             proj_decode *d) {
+    const cm384_proj_opts *o = c->o;
+    const proj_shape *s = &c->s;
+    double r = batch_npu / c->hw->dies_per_npu;                  /* requests per device */
+    double q = o->mtp && m->hp.n_mtp ? 2 : 1;                    /* rows per request: last token + draft */
+    double acc = o->mtp && m->hp.n_mtp ? o->mtp_accept : 0;
+    double ctx = o->prompt + o->output / 2.0;
+    int n_mb = o->microbatches >= 2 && r >= 2 ? 2 : 1;
+    int split = c->hw->attn_cube_cores > 0;
+    pbatch b[2];
+    memset(b, 0, sizeof b);
+    memset(d->parts, 0, sizeof d->parts);
+    double r0 = n_mb == 2 ? ceil(r / 2) : r, r1 = r - r0;
+    b[0].r = r0; b[0].n = r0 * q; b[0].ctx = ctx; b[0].tokens_total = b[0].n * c->n_dec;
+    b[1].r = r1; b[1].n = r1 * q; b[1].ctx = ctx; b[1].tokens_total = b[1].n * c->n_dec;
+    d->main_us = proj_forward(c, m, b, n_mb, L, split, c->ep_decode, d->parts);
+    d->mtp_us = 0;
+    if (acc > 0 || (o->mtp && m->hp.n_mtp)) {
+        pbatch bm = {0};
+        bm.r = r; bm.n = r * (1 + acc); bm.ctx = ctx; bm.tokens_total = bm.n * c->n_dec;
+        d->mtp_us = proj_mtp(c, m, &bm, L, c->ep_decode);
+    }
+    double graphs = 1 + (o->mtp && m->hp.n_mtp ? 1 : 0);
+    d->gap_us = o->graph_bundling ? 0 : graphs * c->hw->graph_gap_ms * 1e3;
+    d->step_us = d->main_us + d->mtp_us + d->gap_us;
+    d->tpot_ms = d->step_us / 1e3 / (1 + acc);
+    d->tok_s = batch_npu * (1 + acc) / (d->step_us / 1e6);
+    /* one MoE layer in steady state: two regions */
+    pop pa[16], pf[16];
+    int j0 = 0, l0 = 0;
+    while (l0 < s->n_layers && !m->layers[l0].is_moe) l0++;
+    int na = proj_ops(c, PK_ATTN, l0, -1, &b[0], L, pa), nf = proj_ops(c, PK_FFN, l0, j0, &b[n_mb - 1], L, pf);
+    d->layer_us = n_mb == 2 ? 2 * proj_region(c, pa, na, 1, pf, nf, c->ep_decode, split)
+                            : proj_region(c, pa, na, 1, NULL, 0, c->ep_decode, 0) + proj_region(c, pf, nf, 0, NULL, 0, c->ep_decode, 0);
+    /* memory per device: weights, the KV of its requests, nothing else counted */
+    double NLk = s->n_layers + s->n_mtp, n_dense = 0;
+    for (int l = 0; l < s->n_layers; l++) n_dense += !m->layers[l].is_moe;
+    double w = NLk * s->p_attn_stored * c->wb + n_dense * s->p_dense * c->wb + (L->n_moe) * s->p_expert * c->wb +
+               s->p_head * c->wb + s->vocab * s->D * 2 + (s->n_mtp ? s->p_eh * c->wb : 0);
+    double kv = r * (o->prompt + o->output) * NLk * s->lat * c->hw->kv_bytes;
+    d->hbm_gb = (w + kv) / 1e9;
+}
+
+typedef struct proj_prefill { double batch_us, tok_s, layer_us; } proj_prefill;
+
+static void proj_prefill_batch(const proj_ctx *c, const cm384_model *m, const proj_load *L, proj_prefill *pr) {
+    const cm384_proj_opts *o = c->o;
+    double T = o->prefill_tokens / c->hw->dies_per_npu;           /* prompt tokens per device */
+    double P = o->prompt, rr = o->cache_reuse;
+    double n_new = T * (1 - rr);
+    int n_mb = o->microbatches >= 2 ? 2 : 1;
+    pbatch b[2];
+    memset(b, 0, sizeof b);
+    for (int i = 0; i < n_mb; i++) {
+        b[i].prefill = 1;
+        b[i].n = n_new / n_mb;
+        b[i].n_all = T / n_mb;
+        b[i].r = T / P / n_mb;
+        b[i].keys = (P * (1 + rr) + 1) / 2;                      /* causal: mean keys of a new token */
+        b[i].tokens_total = b[i].n * c->n_pre;
+    }
+    pr->batch_us = proj_forward(c, m, b, n_mb, L, 0, c->ep_prefill, NULL);
+    pr->tok_s = o->prefill_tokens / (pr->batch_us / 1e6);
+    pop pa[16], pf[16];
+    int l0 = 0;
+    while (l0 < m->hp.n_layers && !m->layers[l0].is_moe) l0++;
+    int na = proj_ops(c, PK_ATTN, l0, -1, &b[0], L, pa), nf = proj_ops(c, PK_FFN, l0, 0, &b[n_mb - 1], L, pf);
+    pr->layer_us = n_mb == 2 ? 2 * proj_region(c, pa, na, 1, pf, nf, c->ep_prefill, 0)
+                             : proj_region(c, pa, na, 1, NULL, 0, c->ep_prefill, 0) + proj_region(c, pf, nf, 0, NULL, 0, c->ep_prefill, 0);
+}
+
+/* The timelines of one MoE layer in steady state: decode (two microbatches
+ * on two streams: attention of one beside the MoE of the other, then the
+ * other way round) and prefill (compute on the cube cores, transfers on the
+ * fabric's DMA lane). */
+static void proj_timelines(const proj_ctx *c, const cm384_model *m, const proj_load *L, int batch_npu,
+                           cm384_projection *out) {
+    const cm384_proj_opts *o = c->o;
+    int l0 = 0;
+    while (l0 < m->hp.n_layers && !m->layers[l0].is_moe) l0++;
+    pop pa[16], pf[16];
+    /* decode */
+    {
+        double r = batch_npu / c->hw->dies_per_npu, q = o->mtp && m->hp.n_mtp ? 2 : 1;
+        int n_mb = o->microbatches >= 2 && r >= 2 ? 2 : 1, split = c->hw->attn_cube_cores > 0;
+        double f0 = split ? c->hw->attn_cube_cores / c->hw->cube_cores : 1;
+        pbatch b = {0};
+        b.r = n_mb == 2 ? ceil(r / 2) : r; b.n = b.r * q; b.ctx = o->prompt + o->output / 2.0;
+        b.tokens_total = b.n * c->n_dec;
+        int na = proj_ops(c, PK_ATTN, l0, -1, &b, L, pa), nf = proj_ops(c, PK_FFN, l0, 0, &b, L, pf);
+        out->n_decode_ops = 0;
+        if (n_mb == 2) {
+            double r1 = proj_region(c, pa, na, 1, pf, nf, c->ep_decode, split);
+            proj_timeline(c, pa, na, f0, c->ep_decode, 0, 0, 0, out->decode_ops, &out->n_decode_ops);
+            proj_timeline(c, pf, nf, split ? 1 - f0 : 1, c->ep_decode, 1, 1, 0, out->decode_ops, &out->n_decode_ops);
+            proj_timeline(c, pf, nf, split ? 1 - f0 : 1, c->ep_decode, 0, 1, r1, out->decode_ops, &out->n_decode_ops);
+            proj_timeline(c, pa, na, f0, c->ep_decode, 1, 0, r1, out->decode_ops, &out->n_decode_ops);
+        } else {
+            double t = proj_timeline(c, pa, na, 1, c->ep_decode, 0, 0, 0, out->decode_ops, &out->n_decode_ops);
+            proj_timeline(c, pf, nf, 1, c->ep_decode, 0, 0, t, out->decode_ops, &out->n_decode_ops);
+        }
+    }
+    /* prefill: compute ops back to back on lane 0, transfers on lane 2 */
+    {
+        int n_mb = o->microbatches >= 2 ? 2 : 1;
+        double T = o->prefill_tokens / c->hw->dies_per_npu, P = o->prompt, rr = o->cache_reuse;
+        pbatch b = {0};
+        b.prefill = 1; b.n = T * (1 - rr) / n_mb; b.n_all = T / n_mb; b.r = T / P / n_mb;
+        b.keys = (P * (1 + rr) + 1) / 2; b.tokens_total = b.n * c->n_pre;
+        int na = proj_ops(c, PK_ATTN, l0, -1, &b, L, pa), nf = proj_ops(c, PK_FFN, l0, 0, &b, L, pf);
+        out->n_prefill_ops = 0;
+        double tc = 0, tn = 0;
+        for (int pass = 0; pass < n_mb; pass++) {
+            for (int half = 0; half < 2; half++) {
+                const pop *p = half ? pf : pa;
+                int n = half ? nf : na;
+                for (int i = 0; i < n && out->n_prefill_ops < CM384_PROJ_MAX_OPS; i++) {
+                    cm384_proj_op *q = &out->prefill_ops[out->n_prefill_ops++];
+                    memset(q, 0, sizeof *q);
+                    snprintf(q->name, sizeof q->name, "%s", p[i].name);
+                    q->dur_us = pop_time(c, &p[i], 1, c->ep_prefill, &q->bound);
+                    q->microbatch = n_mb == 2 ? (half ? 1 - pass : pass) : 0;
+                    q->flops = p[i].flops; q->bytes = p[i].bytes; q->net_bytes = p[i].net;
+                    if (p[i].net > 0) { q->lane = 2; q->start_us = n_mb == 2 ? tn : tc; tn = q->start_us + q->dur_us; if (n_mb == 1) tc = tn; }
+                    else { q->lane = 0; q->start_us = tc; tc += q->dur_us; }
+                }
+            }
+        }
+    }
+}
+
+/* ---- 15i. The projection ---- */
+
+int cm384_project(const cm384_model *m, const cm384_proj_opts *opts, cm384_projection *out) {
+    if (!m || !out) return fail(CM384_E_INVALID, "cm384_project: model and out must not be NULL");
+    if (out->struct_size && out->struct_size < sizeof *out)
+        return fail(CM384_E_INVALID, "cm384_project: out->struct_size %zu is too small", out->struct_size);
+    cm384_proj_opts o;
+    cm384_proj_opts_init(&o);
+    if (opts) {
+        if (opts->struct_size < offsetof(cm384_proj_opts, prompt) || opts->struct_size > 65536)
+            return fail(CM384_E_INVALID, "cm384_project: opts->struct_size %zu is not valid", opts->struct_size);
+        memcpy(&o, opts, opts->struct_size < sizeof o ? opts->struct_size : sizeof o);
+    }
+    if (m->tokenizer_only || m->hp.n_routed <= 0 || m->hp.top_k <= 0)
+        return fail(CM384_E_UNSUPPORTED, "%s: the projection needs a mixture-of-experts model", m->path ? m->path : "model");
+    if (o.prompt < 1 || o.output < 1 || o.prompt > 1 << 24 || o.output > 1 << 24)
+        return fail(CM384_E_INVALID, "cm384_project: prompt %d and output %d must be 1 .. 16M", o.prompt, o.output);
+    if (o.max_batch < 1 || o.max_batch > 1 << 16 || o.batch < 0 || o.batch > 1 << 16)
+        return fail(CM384_E_INVALID, "cm384_project: batch %d / max_batch %d out of range", o.batch, o.max_batch);
+    if (!(o.mtp_accept >= 0 && o.mtp_accept <= 1) || !(o.cache_reuse >= 0 && o.cache_reuse < 1) || !(o.tpot_slo_ms >= 0))
+        return fail(CM384_E_INVALID, "cm384_project: mtp_accept and cache_reuse must be in [0, 1), tpot_slo_ms >= 0");
+    if (o.prefill_tokens < o.prompt)
+        return fail(CM384_E_INVALID, "cm384_project: prefill_tokens %d is less than one prompt (%d)", o.prefill_tokens, o.prompt);
+    if (!o.batch && !(o.tpot_slo_ms > 0))
+        return fail(CM384_E_INVALID, "cm384_project: give a batch or a TPOT target");
+    if (o.expert_load && (o.load_layers <= 0 || o.load_experts <= 0 || o.load_experts > 1 << 16))
+        return fail(CM384_E_INVALID, "cm384_project: expert_load needs load_layers and load_experts");
+    cm384_hw hw;
+    if (o.hw_params) {
+        if (o.hw_params->struct_size < sizeof hw) return fail(CM384_E_INVALID, "cm384_project: hw_params->struct_size too small");
+        hw = *o.hw_params;
+    } else {
+        int r = cm384_hw_get(o.hw ? o.hw : "cloudmatrix384", &hw);
+        if (r) return r;
+    }
+    if (!(hw.bf16_tflops > 0 && hw.int8_tops > 0 && hw.hbm_gbs > 0 && hw.link_gbs > 0 && hw.gemm_eff > 0 &&
+          hw.mla_flop_eff > 0 && hw.mla_bw_eff > 0 && hw.dies_per_npu >= 1))
+        return fail(CM384_E_INVALID, "cm384_project: hardware \"%s\" lacks a peak, a bandwidth or an efficiency", hw.name);
+
+    struct cm384_engine sh;
+    int r = proj_topology(m, &sh);
+    if (r) { proj_topology_free(&sh); return r; }
+    proj_ctx c;
+    memset(&c, 0, sizeof c);
+    c.hw = &hw;
+    c.o = &o;
+    proj_shape_of(&m->hp, &c.s);
+    c.n_dec = sh.n_attn;
+    c.n_pre = sh.n_pre;
+    int n_exp = 0;
+    for (int d = 0; d < sh.n_dev; d++) n_exp += (sh.dev[d].roles & (ROLE_EXPERT | ROLE_SHARED)) != 0;
+    c.ep_decode = n_exp;
+    c.ep_prefill = sh.n_pre;
+    c.shared_dest = sh.place[PHASE_DECODE].n_shared > 0;
+    c.wb = o.int8 ? 1 : 2;
+    proj_msg_bytes(m->hp.dim, o.int8_dispatch, o.bf16_combine, &c.msg_d, &c.msg_c);
+
+    memset(out, 0, sizeof *out);
+    out->struct_size = sizeof *out;
+    snprintf(out->hw, sizeof out->hw, "%s", hw.name);
+    out->decode_devices = sh.n_attn;
+    out->expert_devices = n_exp;
+    out->shared_replicas = sh.place[PHASE_DECODE].n_shared;
+    out->redundant_experts = sh.n_red;
+    out->prefill_devices = sh.n_pre;
+
+    proj_load L;
+    r = proj_loads(m, &o, &sh, &L, out);
+    if (r) { proj_load_free(&L); proj_topology_free(&sh); return r; }
+    out->decode_load_max_over_mean = L.dec_imb;
+    out->prefill_load_max_over_mean = L.pre_imb;
+
+    /* decode: the given batch, or the largest that meets the target */
+    proj_decode d, best;
+    memset(&best, 0, sizeof best);
+    int chosen = 0;
+    if (o.batch) {
+        proj_decode_step(&c, m, o.batch, &L, &best);
+        chosen = o.batch;
+        out->feasible = (o.tpot_slo_ms <= 0 || best.tpot_ms <= o.tpot_slo_ms) && best.hbm_gb <= hw.hbm_gb;
+    } else {
+        for (int bsz = 8; bsz <= o.max_batch; bsz += 8) {
+            proj_decode_step(&c, m, bsz, &L, &d);
+            if (d.tpot_ms > o.tpot_slo_ms || d.hbm_gb > hw.hbm_gb) break;
+            best = d;
+            chosen = bsz;
+        }
+        out->feasible = chosen > 0;
+        if (!chosen) { chosen = 8 < o.max_batch ? 8 : o.max_batch; proj_decode_step(&c, m, chosen, &L, &best); }
+    }
+    out->batch = chosen;
+    out->tpot_ms = best.tpot_ms;
+    out->step_ms = best.step_us / 1e3;
+    out->decode_tok_s = best.tok_s;
+    out->tokens_per_step = 1 + (o.mtp && m->hp.n_mtp ? o.mtp_accept : 0);
+    out->layer_us = best.layer_us;
+    out->hbm_used_gb = best.hbm_gb;
+
+    /* what one decode device sends per step: its tokens' messages in every
+       MoE layer (the MTP layer included) */
+    {
+        double r_dev = chosen / hw.dies_per_npu, q = o.mtp && m->hp.n_mtp ? 2 : 1;
+        double acc = o.mtp && m->hp.n_mtp ? o.mtp_accept : 0;
+        double msgs = ((L.n_moe - m->hp.n_mtp) * r_dev * q + (m->hp.n_mtp && o.mtp ? r_dev * (1 + acc) : 0)) *
+                      (c.s.K + c.shared_dest);
+        out->dispatch_mb = msgs * c.msg_d / 1e6;
+        out->combine_mb = msgs * c.msg_c / 1e6;
+    }
+    out->n_step_ops = 0;
+    {
+        const char *names[5] = {"dense layers", "MoE layers", "head", "MTP draft", "host gaps"};
+        double v[5] = {best.parts[0], best.parts[1], best.parts[2], best.mtp_us, best.gap_us}, t = 0;
+        for (int i = 0; i < 5; i++) {
+            if (v[i] <= 0) continue;
+            cm384_proj_op *q = &out->step_ops[out->n_step_ops++];
+            memset(q, 0, sizeof *q);
+            snprintf(q->name, sizeof q->name, "%s", names[i]);
+            q->start_us = t; q->dur_us = v[i]; q->bound = i == 4 ? 'h' : '-';
+            t += v[i];
+        }
+    }
+
+    /* prefill */
+    proj_prefill pf;
+    proj_prefill_batch(&c, m, &L, &pf);
+    out->prefill_tok_s = pf.tok_s;
+    out->prefill_batch_ms = pf.batch_us / 1e3;
+    double kv_req = o.prompt * (c.s.n_layers + c.s.n_mtp) * c.s.lat * hw.kv_bytes;
+    out->ttft_ms = out->prefill_batch_ms + o.cache_reuse * kv_req / (hw.pool_gbs * 1e6);
+
+    proj_timelines(&c, m, &L, chosen, out);
+    proj_load_free(&L);
+    proj_topology_free(&sh);
+    return CM384_OK;
+}
+
+static const char *proj_bound_name(char b) {
+    return b == 'c' ? "compute" : b == 'm' ? "memory" : b == 'n' ? "fabric" : b == 'h' ? "host" : "";
+}
+
+/* lanes: 1 decode (two streams), 2 prefill (cube cores and the fabric's DMA) */
+static void proj_ops_text(strbuf *b, const cm384_proj_op *ops, int n, int lanes) {
+    for (int i = 0; i < n; i++) {
+        const cm384_proj_op *q = &ops[i];
+        char lane[24];
+        snprintf(lane, sizeof lane, "%s", q->lane == 2 ? "fabric DMA" : lanes == 2 ? "cube cores" : q->lane == 1 ? "MoE stream" : "attn stream");
+        sb_printf(b, "    %-14s %-11s mb%d %8.1f +%8.1f us  %-7s", q->name, lane, q->microbatch, q->start_us, q->dur_us,
+                  proj_bound_name(q->bound));
+        if (q->flops > 0) sb_printf(b, " %8.2f GFLOP", q->flops / 1e9);
+        if (q->bytes > 0) sb_printf(b, " %8.2f MB HBM", q->bytes / 1e6);
+        if (q->net_bytes > 0) sb_printf(b, " %7.2f MB fabric", q->net_bytes / 1e6);
+        sb_puts(b, "\n");
+    }
+}
+
+int cm384_projection_report(const cm384_projection *p, char *buf, size_t cap) {
+    if (!p) return fail(CM384_E_INVALID, "cm384_projection_report: NULL projection");
+    strbuf b = {0};
+    sb_printf(&b, "projection on %s: decode %d devices (EP%d: %d shared-expert replicas, %d redundant experts, "
+              "attention DP%d), prefill instances of %d devices (EP%d)\n",
+              p->hw, p->decode_devices, p->expert_devices, p->shared_replicas, p->redundant_experts, p->decode_devices,
+              p->prefill_devices, p->prefill_devices);
+    sb_printf(&b, "decode: batch %d per NPU%s: TPOT %.1f ms, step %.1f ms (%.2f tokens per request per step), "
+              "%.0f tokens/s per NPU\n", p->batch, p->feasible ? "" : " (no batch meets the target)", p->tpot_ms,
+              p->step_ms, p->tokens_per_step, p->decode_tok_s);
+    sb_printf(&b, "  one MoE layer %.0f us; HBM per device %.1f GB; per device per step dispatch %.1f MB, combine %.1f MB; "
+              "expert-device load max/mean %.2f\n", p->layer_us, p->hbm_used_gb, p->dispatch_mb, p->combine_mb,
+              p->decode_load_max_over_mean);
+    sb_puts(&b, "  the step by part:\n");
+    for (int i = 0; i < p->n_step_ops; i++)
+        sb_printf(&b, "    %-14s %8.2f ms\n", p->step_ops[i].name, p->step_ops[i].dur_us / 1e3);
+    sb_puts(&b, "  one MoE layer, per device (two microbatches: attention of one beside the MoE of the other):\n");
+    proj_ops_text(&b, p->decode_ops, p->n_decode_ops, 1);
+    sb_printf(&b, "prefill: %.0f tokens/s per NPU; a batch %.1f ms (TTFT %.1f ms); expert-device load max/mean %.2f\n",
+              p->prefill_tok_s, p->prefill_batch_ms, p->ttft_ms, p->prefill_load_max_over_mean);
+    sb_puts(&b, "  one MoE layer, per device (cube cores, and the fabric's DMA in parallel):\n");
+    proj_ops_text(&b, p->prefill_ops, p->n_prefill_ops, 2);
+    if (b.oom) { free(b.p); return fail(CM384_E_NOMEM, "out of memory"); }
+    int n = copy_out(b.p ? b.p : "", b.n, buf, cap);
+    free(b.p);
+    return n;
+}
+
 #endif /* CM384_C_INCLUDED */

@@ -612,6 +612,171 @@ CM384_API int  cm384_get_device_rows(cm384_engine *e, int phase, uint64_t *rows,
  * joined by '+', or "idle".  Static string; "" for a bad device. */
 CM384_API const char *cm384_device_roles(cm384_engine *e, int device);
 
+/* ======================================================================== */
+/* 6. Projection: a run on the real supernode                               */
+/* ======================================================================== */
+/* A performance model of CloudMatrix384 (and of H800s, the paper's point of
+ * comparison) that replays the engine's own schedule at full scale: the same
+ * operator sequence and microbatch pairing, the same expert placement (the
+ * paper preset built for the projected model), the same message sizes, and
+ * optionally the expert load measured on a real run.  Every operator's time
+ * comes from the hardware: a roofline with the paper's operator-level
+ * efficiencies.  Parameters are hardware specifications and operator-level
+ * measurements only, each listed with its source by cm384_hw_param(); the
+ * paper's end-to-end tables are never inputs (tests/test_project.c checks
+ * against them).  docs/how-it-works.md explains how to read the result. */
+
+/* One device of a machine (an Ascend 910C die, an H800 GPU). */
+typedef struct cm384_hw {
+    size_t struct_size;
+    char   name[32];
+    double dies_per_npu;        /* devices per package: the paper's "per NPU"
+                                   figures are per 2 dies                      */
+    double bf16_tflops;         /* dense 16-bit peak per device               */
+    double int8_tops;           /* dense 8-bit peak (INT8; FP8 on H800)       */
+    double hbm_gb, hbm_gbs;     /* memory capacity and bandwidth              */
+    double link_gbs;            /* scale-up fabric per device, one direction  */
+    double link_us;             /* small-message latency on it                */
+    double rdma_gbs;            /* scale-out (prefill -> decode KV)           */
+    double pool_gbs;            /* device <-> pooled CPU memory (EMS)         */
+    double cube_cores;          /* matrix cores (AIC)                         */
+    double attn_cube_cores;     /* of them, the attention stream's when two
+                                   decode microbatches overlap (0: no split --
+                                   compute serializes, only the fabric overlaps) */
+    double gemm_eff;            /* 8-bit GEMM, fraction of peak (compute-bound) */
+    double mla_flop_eff;        /* attention core, fraction of the 16-bit peak  */
+    double mla_bw_eff;          /* memory-bound kernels, fraction of HBM bw     */
+    double a2a_tokens, a2a_topk;             /* the dispatch/combine measurement: */
+    double a2a_dispatch_bytes, a2a_combine_bytes;   /* tokens per rank, top-k,    */
+    double a2a_ep_lo, a2a_ep_hi;             /* message bytes, EP degrees,       */
+    double dispatch_us_lo, dispatch_us_hi;   /* measured latencies               */
+    double combine_us_lo, combine_us_hi;
+    double graph_gap_ms;        /* host bubble per graph launch without graph
+                                   bundling (MTP's k+1 graphs)                 */
+    double kv_bytes;            /* bytes per KV-cache value                   */
+} cm384_hw;
+
+/* Fills *out with a built-in profile: "cloudmatrix384" (one Ascend 910C die)
+ * or "h800".  CM384_E_INVALID for another name. */
+CM384_API int cm384_hw_get(const char *name, cm384_hw *out);
+
+/* Row i of the parameter table behind the profiles (and the deployment
+ * constants): profile, key, value, unit and source.  Returns the number of
+ * rows; CM384_E_INVALID when i is out of range (pointers may be NULL). */
+CM384_API int cm384_hw_param(int i, const char **profile, const char **key, double *value,
+                             const char **unit, const char **source);
+
+/* A model from its config.json alone (path: the file or its directory): the
+ * shapes, no weights -- enough to project DeepSeek-R1's 671B without the
+ * weights.  cm384_model_get_info() works (parameter counts from the shapes);
+ * cm384_engine_create() fails with CM384_E_MISUSE. */
+CM384_API int cm384_model_load_config(const char *path, cm384_model **out);
+
+typedef struct cm384_proj_opts {
+    size_t          struct_size;
+    const char     *hw;             /* profile name (default "cloudmatrix384") */
+    const cm384_hw *hw_params;      /* or your own numbers; NULL = the profile */
+    /* workload */
+    int             prompt, output; /* tokens per request (4096, 256)          */
+    int             batch;          /* decode requests per NPU; 0 = the largest
+                                       multiple of 8 up to max_batch whose TPOT
+                                       meets tpot_slo_ms                        */
+    int             max_batch;      /* 128                                     */
+    double          tpot_slo_ms;    /* 50                                      */
+    double          mtp_accept;     /* MTP draft acceptance (0.7)              */
+    double          cache_reuse;    /* prompt fraction served by the context
+                                       cache (0)                               */
+    int             prefill_tokens; /* prompt tokens per NPU per prefill batch
+                                       (16384)                                 */
+    /* mechanisms: 1 = as in the paper (the defaults), 0 = off */
+    int             int8;           /* W8A8 weights (else BF16)               */
+    int             int8_dispatch;  /* INT8 token messages (else the engine's
+                                       fp32 messages)                          */
+    int             bf16_combine;   /* BF16 combine messages (else fp32)       */
+    int             microbatches;   /* 2: attention of one beside MoE of the
+                                       other; 1: one batch                    */
+    int             mtp;            /* one-token MTP drafts                    */
+    int             eplb;           /* redundant experts on the hottest ones   */
+    int             graph_bundling; /* MTP graphs launched back to back        */
+    int             prefill_expanded; /* 0: absorbed MLA in prefill, as the
+                                       engine computes it; 1: the expanded form */
+    /* expert load measured on a run: tokens[layer * load_experts + expert]
+       for load_layers MoE layers (cm384_get_expert_load); NULL = perfect
+       balance.  Mapped onto the projected model's experts by quantiles. */
+    const uint64_t *expert_load;
+    int             load_layers, load_experts;
+    int             a2a_affine;     /* 0 (default): dispatch/combine time in
+                                       proportion to bytes, at the bandwidth the
+                                       paper measured; 1: a fixed part plus the
+                                       bytes at the link's rate (both readings
+                                       reproduce Table 6 at its 128 tokens)    */
+} cm384_proj_opts;
+
+CM384_API void cm384_proj_opts_init(cm384_proj_opts *o);
+
+/* Copies the mechanism switches of an engine config (int8, int8_dispatch,
+ * microbatches, mtp, the context cache) into o, so that a run and its
+ * projection switch the same things.  Workload fields are left alone. */
+CM384_API void cm384_proj_opts_from_config(cm384_proj_opts *o, const cm384_config *c);
+
+/* One operator of a projected timeline (per device). */
+typedef struct cm384_proj_op {
+    char   name[24];
+    int    lane;          /* 0 attention stream (or all cores), 1 MoE stream,
+                             2 fabric / DMA                                  */
+    int    microbatch;    /* 0 or 1                                          */
+    double start_us, dur_us;
+    double flops;         /* arithmetic                                      */
+    double bytes;         /* HBM bytes                                       */
+    double net_bytes;     /* bytes this device sends on the fabric           */
+    char   bound;         /* 'c' compute, 'm' memory, 'n' network, 'h' host  */
+} cm384_proj_op;
+
+#define CM384_PROJ_MAX_OPS     32
+#define CM384_PROJ_MAX_DEVICES 1024
+
+typedef struct cm384_projection {
+    size_t struct_size;
+    char   hw[32];
+    /* deployment (the engine's paper preset for this model) */
+    int    decode_devices, expert_devices, shared_replicas, redundant_experts;
+    int    prefill_devices;           /* one prefill instance                 */
+    /* decode */
+    int    batch;                     /* requests per NPU                     */
+    int    feasible;                  /* 0: no batch meets the TPOT target    */
+    double tpot_ms, step_ms;
+    double decode_tok_s;              /* per NPU                              */
+    double tokens_per_step;           /* per request: 1 + acceptance           */
+    double layer_us;                  /* one MoE layer, both microbatches      */
+    double hbm_used_gb;               /* per decode device                    */
+    double dispatch_mb, combine_mb;   /* per decode device per step            */
+    double decode_load_max_over_mean; /* expert-device rows, max/mean          */
+    /* prefill */
+    double prefill_tok_s;             /* per NPU, prompt tokens incl. cached   */
+    double prefill_batch_ms;          /* one batch of prefill_tokens           */
+    double ttft_ms;                   /* that batch + KV hand-off + first step */
+    double prefill_load_max_over_mean;
+    /* timelines: one MoE layer of decode, one of prefill, the decode step */
+    int    n_decode_ops, n_prefill_ops, n_step_ops;
+    cm384_proj_op decode_ops[CM384_PROJ_MAX_OPS];
+    cm384_proj_op prefill_ops[CM384_PROJ_MAX_OPS];
+    cm384_proj_op step_ops[CM384_PROJ_MAX_OPS];
+    /* rows per decode expert device in one layer, without and with EPLB's
+       redundant replicas (mean 1) */
+    int    n_load_devices;
+    float  load_no_eplb[CM384_PROJ_MAX_DEVICES], load_eplb[CM384_PROJ_MAX_DEVICES];
+} cm384_projection;
+
+/* Projects model m (a full model or a config-only one) on the hardware and
+ * workload in o (NULL = the paper's DeepSeek-R1 set-up).  Errors:
+ * CM384_E_INVALID (bad option), CM384_E_UNSUPPORTED (a model without routed
+ * experts), CM384_E_NOMEM. */
+CM384_API int cm384_project(const cm384_model *m, const cm384_proj_opts *o, cm384_projection *out);
+
+/* The projection as text: the step's timeline by operator, TPOT, TTFT,
+ * tokens/s per NPU (snprintf convention). */
+CM384_API int cm384_projection_report(const cm384_projection *p, char *buf, size_t cap);
+
 #ifdef __cplusplus
 }
 #endif

@@ -25,6 +25,11 @@
 #include <sys/stat.h>
 #include <time.h>
 
+int cm384_cli_project(int argc, char **argv);          /* examples/cm384_project.c */
+int cm384_cli_ablate(int argc, char **argv);
+int cm384_cli_has(int argc, char **argv, const char *flag);
+void cm384_cli_project_usage(FILE *f);
+
 /* ---- options ---- */
 
 typedef struct opts {
@@ -183,6 +188,7 @@ static const command *find_command(const char *name) {
 static void usage(FILE *f) {
     fprintf(f, "usage: cm384 COMMAND [options] [--] [arguments]\ncommands:\n");
     for (int i = 0; i < N_COMMANDS; i++) fprintf(f, "  %-11s %s\n", commands[i].name, commands[i].summary);
+    cm384_cli_project_usage(f);
     fprintf(f, "`cm384 help COMMAND` (or `cm384 COMMAND --help`) shows a command's options and examples;\n"
                "`cm384 --version` the version.  Exit status: 0 done, 1 failed, 2 bad command line.\n");
 }
@@ -826,6 +832,7 @@ int main(int argc, char **argv) {
     }
     if (!strcmp(c, "help") || !strcmp(c, "-h") || !strcmp(c, "--help")) {
         if (argc == 2) { usage(stdout); return 0; }
+        if (argc == 3 && !strcmp(argv[2], "project")) { char *hv[] = {argv[0], argv[2], "--help", NULL}; return cm384_cli_project(3, hv); }
         const command *h = find_command(argv[2]);
         if (!h || argc > 3) {
             fprintf(stderr, "cm384 help: %s \"%s\" (cm384 help lists them)\n", h ? "one command, got also" : "no command",
@@ -835,6 +842,9 @@ int main(int argc, char **argv) {
         command_help(h);
         return 0;
     }
+    /* the projection and the ablation parse their own options (examples/cm384_project.c) */
+    if (!strcmp(c, "project")) return cm384_cli_project(argc, argv);
+    if (!strcmp(c, "bench") && cm384_cli_has(argc, argv, "--ablate")) return cm384_cli_ablate(argc, argv);
     const command *cmd = find_command(c);
     if (!cmd) {
         fprintf(stderr, "cm384: unknown command \"%s\"\n", c);

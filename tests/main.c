@@ -21,6 +21,7 @@
 #include "test_progress.c"
 #include "test_fuzzfix.c"
 #include "test_gguf.c"
+#include "test_project.c"
 
 static const struct {
     const char *name;
@@ -40,6 +41,7 @@ static const struct {
     {"progress", test_main_progress},
     {"fuzzfix", test_main_fuzzfix},
     {"gguf", test_main_gguf},
+    {"project", test_main_project},
 };
 
 int main(int argc, char **argv) {

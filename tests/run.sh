@@ -50,14 +50,14 @@ T="$B/cm384_tests"
     "$B/gen_synth" --preset tiny --dtype fp8 --set q_lora_rank=null --set num_hidden_layers=2 --set n_shared_experts=2 \
         -q "$B/models/fp8-q-plain" >/dev/null 2>&1 ||
     echo "   (could not generate $B/models/fp8-q-plain)"
-for t in tokenizer kernels golden loader engine alloc model api trust slo eplb gguf; do
+for t in tokenizer kernels golden loader engine alloc model api trust slo eplb gguf project; do
     step "$t" "$T" $t
 done
 step "progress" "$T" progress "$B/models/fp8-q-plain"
 step "fuzzfix" "$T" fuzzfix
 
 # the same under AddressSanitizer + UndefinedBehaviorSanitizer
-for t in tokenizer kernels golden loader api trust slo eplb; do
+for t in tokenizer kernels golden loader api trust slo eplb project; do
     step "asan+ubsan $t" env ASAN_OPTIONS=detect_leaks=1 "$B/asan/cm384_tests" $t
 done
 step "asan+ubsan progress" env ASAN_OPTIONS=detect_leaks=1 "$B/asan/cm384_tests" progress "$B/models/fp8-q-plain"
@@ -88,6 +88,13 @@ step "cm384 tokenize" "$B/cm384" tokenize -m tests/fixtures/tiny-dsv3 --quiet "H
 step "cm384 eval" "$B/cm384" eval -m tests/fixtures/tiny-dsv3 -t 2 --top 2 "Hello"
 step "cm384 command line (tests/test_cli.sh)" sh tests/test_cli.sh "$B/cm384"
 step "cm384 bench (paper preset)" "$B/cm384" bench -m tests/fixtures/tiny-dsv3 -t 2 -p 32 -n 8 --requests 8 --preset paper --json
+step "cm384 project --table4" "$B/cm384" project --table4
+svg_check() {  # the picture is written, complete, and shows the run and the projection
+    "$B/cm384" project --from-run models/shakespeare --run-requests 6 --run-prompt 48 --run-tokens 12 -t 2 --svg "$B/check.svg" || return 1
+    grep -q '</svg>' "$B/check.svg" && grep -q 'three decode steps' "$B/check.svg" && grep -q 'Projected on CloudMatrix384' "$B/check.svg"
+}
+step "cm384 project --from-run --svg" svg_check
+step "cm384 bench --ablate (small)" "$B/cm384" bench --ablate -m models/shakespeare --requests 4 -p 48 -n 8 -t 2
 
 # the README's embedding example compiles and runs as printed
 readme_example() {
