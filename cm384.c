@@ -9382,11 +9382,14 @@ int cm384_hw_get(const char *name, cm384_hw *out) {
     if (!name || !out) return fail(CM384_E_INVALID, "cm384_hw_get: NULL argument");
     if (strcmp(name, "cloudmatrix384") && strcmp(name, "h800"))
         return fail(CM384_E_INVALID, "unknown hardware profile \"%s\" (cloudmatrix384, h800)", name);
-    memset(out, 0, sizeof *out);
-    out->struct_size = sizeof *out;
-    snprintf(out->name, sizeof out->name, "%s", name);
+    size_t sz = out->struct_size && out->struct_size < sizeof *out ? out->struct_size : sizeof *out;
+    cm384_hw hw;
+    memset(&hw, 0, sizeof hw);
+    snprintf(hw.name, sizeof hw.name, "%s", name);
     for (size_t i = 0; i < sizeof proj_hw_fields / sizeof proj_hw_fields[0]; i++)
-        *(double *)((char *)out + proj_hw_fields[i].off) = proj_param_value(name, proj_hw_fields[i].key);
+        *(double *)((char *)&hw + proj_hw_fields[i].off) = proj_param_value(name, proj_hw_fields[i].key);
+    hw.struct_size = sz;
+    memcpy(out, &hw, sz);
     return CM384_OK;
 }
 
@@ -9475,7 +9478,7 @@ void cm384_proj_opts_from_config(cm384_proj_opts *o, const cm384_config *c) {
     if (!o || !c || c->struct_size < offsetof(cm384_config, tpot_target_ms)) return;
     int paper = c->preset && !strcmp(c->preset, "paper");
     o->int8 = c->int8 != 0;
-    o->int8_dispatch = c->int8_dispatch != 0;
+    o->int8_dispatch = c->int8_dispatch < 0 ? paper : c->int8_dispatch != 0;   /* -1: the preset's choice */
     o->microbatches = c->microbatches > 0 ? (c->microbatches >= 2 ? 2 : 1) : paper ? 2 : 1;
     o->mtp = c->mtp != 0;
     if (c->cache_bytes == (size_t)-1) o->cache_reuse = 0;
@@ -10122,10 +10125,26 @@ static void proj_timelines(const proj_ctx *c, const cm384_model *m, const proj_l
 
 /* ---- 15i. The projection ---- */
 
+static int project(const cm384_model *m, const cm384_proj_opts *opts, cm384_projection *out);
+
 int cm384_project(const cm384_model *m, const cm384_proj_opts *opts, cm384_projection *out) {
     if (!m || !out) return fail(CM384_E_INVALID, "cm384_project: model and out must not be NULL");
-    if (out->struct_size && out->struct_size < sizeof *out)
+    if (out->struct_size && out->struct_size < offsetof(cm384_projection, decode_devices))
         return fail(CM384_E_INVALID, "cm384_project: out->struct_size %zu is too small", out->struct_size);
+    /* filled in whole, then copied as far as the caller's struct reaches */
+    size_t sz = out->struct_size && out->struct_size < sizeof *out ? out->struct_size : sizeof *out;
+    cm384_projection *res = CM384_CALLOC(1, sizeof *res);
+    if (!res) return fail(CM384_E_NOMEM, "out of memory for the projection");
+    int r = project(m, opts, res);
+    if (!r) {
+        res->struct_size = sz;
+        memcpy(out, res, sz);
+    }
+    CM384_FREE(res);
+    return r;
+}
+
+static int project(const cm384_model *m, const cm384_proj_opts *opts, cm384_projection *out) {
     cm384_proj_opts o;
     cm384_proj_opts_init(&o);
     if (opts) {
@@ -10152,6 +10171,7 @@ int cm384_project(const cm384_model *m, const cm384_proj_opts *opts, cm384_proje
         if (o.hw_params->struct_size < sizeof hw) return fail(CM384_E_INVALID, "cm384_project: hw_params->struct_size too small");
         hw = *o.hw_params;
     } else {
+        hw.struct_size = sizeof hw;
         int r = cm384_hw_get(o.hw ? o.hw : "cloudmatrix384", &hw);
         if (r) return r;
     }
@@ -10277,6 +10297,9 @@ static void proj_ops_text(strbuf *b, const cm384_proj_op *ops, int n, int lanes)
 
 int cm384_projection_report(const cm384_projection *p, char *buf, size_t cap) {
     if (!p) return fail(CM384_E_INVALID, "cm384_projection_report: NULL projection");
+    if (p->struct_size != sizeof *p)
+        return fail(CM384_E_INVALID, "cm384_projection_report: struct_size %zu is not this version's %zu",
+                    p->struct_size, sizeof *p);
     strbuf b = {0};
     sb_printf(&b, "projection on %s: decode %d devices (EP%d: %d shared-expert replicas, %d redundant experts, "
               "attention DP%d), prefill instances of %d devices (EP%d)\n",

@@ -657,7 +657,8 @@ typedef struct cm384_hw {
 } cm384_hw;
 
 /* Fills *out with a built-in profile: "cloudmatrix384" (one Ascend 910C die)
- * or "h800".  CM384_E_INVALID for another name. */
+ * or "h800" (set out->struct_size first, as for cm384_stats).
+ * CM384_E_INVALID for another name. */
 CM384_API int cm384_hw_get(const char *name, cm384_hw *out);
 
 /* Row i of the parameter table behind the profiles (and the deployment
@@ -715,8 +716,9 @@ typedef struct cm384_proj_opts {
 CM384_API void cm384_proj_opts_init(cm384_proj_opts *o);
 
 /* Copies the mechanism switches of an engine config (int8, int8_dispatch,
- * microbatches, mtp, the context cache) into o, so that a run and its
- * projection switch the same things.  Workload fields are left alone. */
+ * microbatches, mtp, the context cache; the preset's choices where a field
+ * leaves it to the preset) into o, so that a run and its projection switch
+ * the same things.  Workload fields are left alone. */
 CM384_API void cm384_proj_opts_from_config(cm384_proj_opts *o, const cm384_config *c);
 
 /* One operator of a projected timeline (per device). */
@@ -768,7 +770,9 @@ typedef struct cm384_projection {
 } cm384_projection;
 
 /* Projects model m (a full model or a config-only one) on the hardware and
- * workload in o (NULL = the paper's DeepSeek-R1 set-up).  Errors:
+ * workload in o (NULL = the paper's DeepSeek-R1 set-up).  Set
+ * out->struct_size to sizeof(cm384_projection) first (0 also means the
+ * current size), as for cm384_stats.  Errors:
  * CM384_E_INVALID (bad option), CM384_E_UNSUPPORTED (a model without routed
  * experts), CM384_E_NOMEM. */
 CM384_API int cm384_project(const cm384_model *m, const cm384_proj_opts *o, cm384_projection *out);

@@ -668,7 +668,7 @@ static void pj_table4(const cm384_model *m, const cm384_proj_opts *base, const p
         {1024, 1024, 50, 128, 46.8, 2733}, {2048, 256, 50, 112, 47.4, 2360}, {4096, 256, 50, 96, 49.4, 1943},
         {4096, 256, 30, 24, 24.6, 974},    {4096, 256, 15, 8, 14.9, 538},
     };
-    cm384_projection *p = malloc(sizeof *p);
+    cm384_projection *p = calloc(1, sizeof *p);
     if (!p) return;
     printf("Table 4 (decode, DeepSeek-R1, CloudMatrix384): the paper beside the projection\n");
     printf("%-9s %-9s | %-23s | %-33s | %-24s\n", "SLO", "prompt/out", "paper: batch TPOT tok/s",
@@ -740,7 +740,7 @@ int cm384_cli_project(int argc, char **argv) {
         o.po.load_experts = run.n_experts;
         cm384_model_free(sm);
     }
-    cm384_projection *p = malloc(sizeof *p);
+    cm384_projection *p = calloc(1, sizeof *p);
     if (!p) { cm384_model_free(m); pj_result_free(&run); return pj_fail("out of memory"); }
     if (o.table4) {
         cm384_proj_opts base = o.po;
@@ -751,7 +751,7 @@ int cm384_cli_project(int argc, char **argv) {
         if (have_run) {
             cm384_proj_opts perfect = o.po;
             perfect.expert_load = NULL;
-            cm384_projection *q = malloc(sizeof *q);
+            cm384_projection *q = calloc(1, sizeof *q);
             if (q && !cm384_project(m, &perfect, q))
                 printf("measured imbalance vs perfect balance: decode %.0f vs %.0f tok/s/NPU (%+.1f%%), prefill %.0f vs %.0f "
                        "tok/s/NPU (%+.1f%%)\n", p->decode_tok_s, q->decode_tok_s, 100 * (p->decode_tok_s / q->decode_tok_s - 1),
@@ -823,7 +823,7 @@ int cm384_cli_ablate(int argc, char **argv) {
     printf("%-22s | %-68s | %-44s | %s\n", "mechanism", "measured here: decode tok/s  TTFT p50  TPOT p50  fabric MB  tokens=exact  dPPL",
            "projected CM384: decode tok/s/NPU  TPOT  prefill", "paper");
     double base_dec = 0, base_proj = 0, base_pre = 0;
-    cm384_projection *pr = malloc(sizeof *pr);
+    cm384_projection *pr = calloc(1, sizeof *pr);
     for (int a = 0; a < A_N && pr; a++) {
         cm384_config c;
         pj_paper_config(&c, threads);

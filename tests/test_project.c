@@ -26,9 +26,14 @@ static void pj_params(void) {
     CHECK(n > 40 && !bad, "%d parameter rows without a source", bad);
     CHECK(cm384_hw_param(n, NULL, NULL, NULL, NULL, NULL) == CM384_E_INVALID, "row past the end");
     cm384_hw hw;
+    hw.struct_size = sizeof hw;
     CHECK(cm384_hw_get("cloudmatrix384", &hw) == CM384_OK && hw.int8_tops == 752 && hw.bf16_tflops == 376 &&
           hw.attn_cube_cores == 16 && hw.cube_cores == 24 && hw.dispatch_us_hi == 152 && hw.mla_flop_eff == 0.654,
           "cloudmatrix384 profile does not match the table");
+    cm384_hw small;
+    small.struct_size = offsetof(cm384_hw, bf16_tflops);
+    CHECK(cm384_hw_get("h800", &small) == CM384_OK && small.struct_size == offsetof(cm384_hw, bf16_tflops) &&
+          small.dies_per_npu == 1, "an older, shorter cm384_hw gets the fields it knows");
     CHECK(cm384_hw_get("h800", &hw) == CM384_OK && hw.int8_tops == 1979 && hw.combine_us_hi == 360, "h800 profile");
     CHECK(cm384_hw_get("tpu", &hw) == CM384_E_INVALID && strstr(cm384_last_error(), "tpu"), "unknown profile accepted");
 }
@@ -102,6 +107,7 @@ static void pj_grounding(const cm384_model *m) {
 
     /* Table 6 at its own point: 128 tokens x top-8 x 7.5 KB at EP256 */
     cm384_hw hw;
+    hw.struct_size = sizeof hw;
     cm384_hw_get("cloudmatrix384", &hw);
     double b = 128.0 * 8 * 7680;
     CHECK(fabs(proj_a2a_us(&hw, 0, 256, b, 0) - 152) < 1e-9 && fabs(proj_a2a_us(&hw, 1, 8, 128.0 * 8 * 14336, 0) - 118) < 1e-9 &&
@@ -326,6 +332,16 @@ static void pj_bad_input(const cm384_model *m) {
     o.struct_size = 3;
     CHECK(cm384_project(m, &o, p) == CM384_E_INVALID, "struct_size");
     CHECK(cm384_project(NULL, NULL, p) == CM384_E_INVALID && cm384_project(m, NULL, NULL) == CM384_E_INVALID, "NULL");
+    cm384_projection *old = calloc(1, sizeof *old);
+    if (old) {
+        old->struct_size = offsetof(cm384_projection, prefill_tok_s);
+        memset((char *)old + old->struct_size, 0x5a, sizeof *old - old->struct_size);
+        CHECK(cm384_project(m, NULL, old) == CM384_OK && old->struct_size == offsetof(cm384_projection, prefill_tok_s) &&
+              old->decode_tok_s > 0 && ((unsigned char *)old)[sizeof *old - 1] == 0x5a,
+              "an older, shorter cm384_projection gets only the fields it knows");
+        CHECK(cm384_projection_report(old, NULL, 0) == CM384_E_INVALID, "a report from a shorter struct");
+        free(old);
+    }
     cm384_proj_opts_init(&o);
     o.tpot_slo_ms = 1;
     CHECK(cm384_project(m, &o, p) == CM384_OK && !p->feasible && p->batch == 8, "an unreachable target is reported");
