@@ -9483,7 +9483,8 @@ void cm384_proj_opts_from_config(cm384_proj_opts *o, const cm384_config *c) {
     o->mtp = c->mtp != 0;
     if (c->cache_bytes == (size_t)-1) o->cache_reuse = 0;
     o->bf16_combine = 0;            /* the engine combines in fp32 */
-    o->eplb = paper;                /* redundant experts are re-placed in the paper preset */
+    /* EPLB re-places the experts from measured load unless its period is -1 */
+    o->eplb = c->struct_size >= offsetof(cm384_config, eplb_period) + sizeof c->eplb_period ? c->eplb_period >= 0 : 1;
 }
 
 /* ---- 15d. The deployment: the engine's own placement at full scale ---- */
@@ -9543,6 +9544,7 @@ static void proj_topology_free(struct cm384_engine *e) {
     pl_free(&e->place[0]);
     pl_free(&e->place[1]);
     CM384_FREE(e->dev); CM384_FREE(e->pre_devs); CM384_FREE(e->attn_devs); CM384_FREE(e->red_devs);
+    CM384_FREE(e->exp_devs);
 }
 
 /* ---- 15e. Expert load: perfect, or measured on a run and carried over ---- */

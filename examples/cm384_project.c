@@ -778,9 +778,15 @@ int cm384_cli_project(int argc, char **argv) {
 /* cm384 bench --ablate                                                     */
 /* ======================================================================== */
 
+/* Median of n values (sorts them). */
+static double pj_median(double *v, int n) {
+    for (int i = 1; i < n; i++) for (int j = i; j > 0 && v[j - 1] > v[j]; j--) { double t = v[j]; v[j] = v[j - 1]; v[j - 1] = t; }
+    return n ? v[n / 2] : 0;
+}
+
 int cm384_cli_ablate(int argc, char **argv) {
     const char *model = "models/shakespeare", *target = "tests/fixtures/deepseek-r1";
-    int threads = 2, R = 16, P = 128, N = 32, reps = 1;
+    int threads = 2, R = 16, P = 128, N = 32, reps = 1, C = 4;
     double shared = 0.5;
     for (int i = 2; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
@@ -794,10 +800,11 @@ int cm384_cli_ablate(int argc, char **argv) {
         else if (!strcmp(a, "-n")) N = atoi(v);
         else if (!strcmp(a, "--shared-prefix")) shared = atof(v);
         else if (!strcmp(a, "--reps")) reps = atoi(v);
+        else if (!strcmp(a, "--concurrency")) C = atoi(v);
         else { fprintf(stderr, "cm384 bench --ablate: unknown option %s\n", a); return 2; }
         i++;
     }
-    if (R < 1 || P < 2 || N < 1 || reps < 1) { fprintf(stderr, "cm384 bench --ablate: bad workload\n"); return 2; }
+    if (R < 1 || P < 2 || N < 1 || reps < 1 || C < 1) { fprintf(stderr, "cm384 bench --ablate: bad workload\n"); return 2; }
     cm384_model *m, *big;
     cm384_load_opts lo;
     cm384_load_opts_init(&lo);
@@ -809,17 +816,20 @@ int cm384_cli_ablate(int argc, char **argv) {
                                      "- MTP", "- context cache", "- EPLB", "- INT8 W8A8"};
     static const char *paper[A_N] = {"", "7.5 KB vs ~14 KB messages", "(none reported)", "decode +5.8-9.4%, prefill +23-31%",
                                      "decode +6-49%", "prefill x1.42 (50% reuse)", "prefill +18%", "accuracy parity"};
-    int switchable[A_N] = {1, 1, 0, 1, 1, 1, 0, 1};   /* the engine has no bf16_combine or EPLB switch yet */
-    pj_workload w = {model, R, R, P, N, 2, threads, shared, NULL, 1024};
+    int switchable[A_N] = {1, 1, 0, 1, 1, 1, 1, 1};   /* the engine has no bf16_combine switch yet */
+    /* a few requests in flight at a time, so later ones find their tenant's prefix cached */
+    pj_workload w = {model, R, C < R ? C : R, P, N, 2, threads, shared, NULL, 1024};
     /* the exact reference: every approximation off, every schedule mechanism on */
     cm384_config ref;
     pj_paper_config(&ref, threads);
     ref.int8 = 0; ref.int8_dispatch = 0;
     pj_result exact;
-    printf("ablation: %s, %d requests x (%d prompt + %d generated) tokens, %d tenants sharing %.0f%% prefixes; "
-           "projected: %s on CloudMatrix384, 4096/256, batch 96 per NPU\n", model, R, P, N, w.tenants, 100 * shared, target);
+    printf("ablation: %s, %d requests x (%d prompt + %d generated) tokens, %d in flight, %d tenants sharing %.0f%% "
+           "prefixes; projected: %s on CloudMatrix384, 4096/256, batch 96 per NPU\n", model, R, P, N, w.concurrency,
+           w.tenants, 100 * shared, target);
     if (pj_run(m, &ref, &w, &exact)) { cm384_model_free(m); cm384_model_free(big); return 1; }
-    printf("exact reference (no INT8 anywhere): perplexity %.4f on the first 1024 tokens of val.txt\n\n", exact.ppl);
+    printf("exact reference (no INT8 anywhere): perplexity %.4f on the first 1024 tokens of val.txt, context-cache hit "
+           "ratio %.2f (the projection's reuse)\n\n", exact.ppl, exact.st.cache_hit_ratio);
     printf("%-22s | %-68s | %-44s | %s\n", "mechanism", "measured here: decode tok/s  TTFT p50  TPOT p50  fabric MB  tokens=exact  dPPL",
            "projected CM384: decode tok/s/NPU  TPOT  prefill", "paper");
     double base_dec = 0, base_proj = 0, base_pre = 0;
@@ -831,29 +841,29 @@ int cm384_cli_ablate(int argc, char **argv) {
         if (a == A_MICRO) c.microbatches = 1;
         if (a == A_MTP) c.mtp = 0;
         if (a == A_CACHE) c.cache_bytes = (size_t)-1;
+        if (a == A_EPLB) c.eplb_period = -1;
         if (a == A_W8A8) c.int8 = 0;
         /* measured: median decode tok/s of reps runs */
         pj_result r;
-        double dec[16];
+        double dec[16], ttft[16], tpot[16];
         int nrep = switchable[a] ? (reps < 16 ? reps : 16) : 0;
         memset(&r, 0, sizeof r);
+        double ppl = 0;
         for (int k = 0; k < nrep; k++) {
             if (k) pj_result_free(&r);
             pj_workload wk = w;
-            wk.ppl_tokens = k == 0 ? w.ppl_tokens : 0;
-            double keep_ppl = k ? r.ppl : 0;
+            wk.ppl_tokens = k == 0 ? w.ppl_tokens : 0;        /* numerics do not change between repeats */
             if (pj_run(m, &c, &wk, &r)) { free(pr); cm384_model_free(m); cm384_model_free(big); return 1; }
-            if (k) r.ppl = keep_ppl;
-            dec[k] = r.st.decode_tok_per_s;
+            if (k == 0) ppl = r.ppl;
+            dec[k] = r.st.decode_tok_per_s; ttft[k] = r.st.ttft_p50_ms; tpot[k] = r.st.tpot_p50_ms;
         }
-        for (int i = 1; i < nrep; i++) for (int j = i; j > 0 && dec[j - 1] > dec[j]; j--) { double t = dec[j]; dec[j] = dec[j - 1]; dec[j - 1] = t; }
-        double med = nrep ? dec[nrep / 2] : 0;
+        r.ppl = ppl;
+        double med = pj_median(dec, nrep), med_ttft = pj_median(ttft, nrep), med_tpot = pj_median(tpot, nrep);
         /* projected: the same switches at full scale, with this run's measured load and cache hits */
         cm384_proj_opts po;
         cm384_proj_opts_init(&po);
         cm384_proj_opts_from_config(&po, &c);
         po.bf16_combine = a != A_BF16_COMBINE;       /* priced at full scale even before the engine has it */
-        po.eplb = a != A_EPLB;
         po.prompt = 4096; po.output = 256; po.batch = 96;
         const pj_result *src = nrep ? &r : &exact;
         po.cache_reuse = a == A_CACHE ? 0 : exact.st.cache_hit_ratio;
@@ -865,7 +875,7 @@ int cm384_cli_ablate(int argc, char **argv) {
         char meas[160];
         if (nrep)
             snprintf(meas, sizeof meas, "%7.1f (%+5.1f%%) %7.1f ms %6.2f ms %9.2f %6d/%-3d %+7.4f", med,
-                     a && base_dec > 0 ? 100 * (base_dec / med - 1) : 0.0, r.st.ttft_p50_ms, r.st.tpot_p50_ms,
+                     a && base_dec > 0 ? 100 * (base_dec / med - 1) : 0.0, med_ttft, med_tpot,
                      (r.st.dispatch_bytes + r.st.combine_bytes) / 1e6, same, R, r.ppl - exact.ppl);
         else
             snprintf(meas, sizeof meas, "%-68s", "  (no switch in the engine yet: projected only)");
@@ -874,8 +884,9 @@ int cm384_cli_ablate(int argc, char **argv) {
                a ? 100 * (base_pre / pr->prefill_tok_s - 1) : 0.0, paper[a]);
         pj_result_free(&r);
     }
-    printf("\nPercentages on the mechanism rows are what the mechanism buys: (all on) / (this one off) - 1.\n"
-           "tokens=exact counts requests whose greedy tokens equal the exact reference's; dPPL is the perplexity change.\n");
+    printf("\nMeasured: medians of %d runs (load average matters: note it).  Percentages on the mechanism rows are what\n"
+           "the mechanism buys: (all on) / (this one off) - 1.\n", reps);
+    printf("tokens=exact counts requests whose greedy tokens equal the exact reference's; dPPL is the perplexity change.\n");
     free(pr);
     pj_result_free(&exact);
     cm384_model_free(big);
