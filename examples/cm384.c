@@ -161,7 +161,8 @@ static const command commands[] = {
      "JSON line).  load_s includes making INT8 weights with --int8.\n"
      "examples:\n"
      "  cm384 bench -m DIR -p 512 -n 128 -t 2 --int8 --json\n"
-     "  cm384 bench -m DIR --requests 64 --concurrency 16 --shared-prefix 0.5 --tenants 2 --preset paper\n"},
+     "  cm384 bench -m DIR --requests 64 --concurrency 16 --shared-prefix 0.5 --tenants 2 --preset paper\n"
+     "`cm384 bench --ablate` switches each mechanism off in turn (cm384 bench --ablate --help).\n"},
     {"info", C_INFO, cmd_info, 0, 0, "", "print the model's shapes and sizes",
      "Loads the model and prints its type, shapes, parameter counts and sizes.\n"
      "examples:\n"

@@ -36,6 +36,31 @@ void cm384_cli_project_usage(FILE *f) {
     fprintf(f, "  %-11s %s\n", "bench --ablate", "each mechanism off in turn: measured here, projected on CloudMatrix384");
 }
 
+#define PJ_USAGE 2      /* exit status for a wrong command line, as the rest of the tool */
+
+/* Strict numbers: the whole text, in range, or a message and PJ_USAGE. */
+static int pj_int(const char *cmd, const char *opt, const char *v, long lo, long hi, int *out) {
+    char *end;
+    long x = v ? strtol(v, &end, 10) : 0;
+    if (!v || !*v || *end || x < lo || x > hi) {
+        fprintf(stderr, "cm384 %s: %s needs an integer in %ld..%ld, got \"%s\"\n", cmd, opt, lo, hi, v ? v : "");
+        return PJ_USAGE;
+    }
+    *out = (int)x;
+    return 0;
+}
+
+static int pj_num(const char *cmd, const char *opt, const char *v, double lo, double hi, double *out) {
+    char *end;
+    double x = v ? strtod(v, &end) : 0;
+    if (!v || !*v || *end || !(x >= lo && x <= hi)) {
+        fprintf(stderr, "cm384 %s: %s needs a number in %g..%g, got \"%s\"\n", cmd, opt, lo, hi, v ? v : "");
+        return PJ_USAGE;
+    }
+    *out = x;
+    return 0;
+}
+
 static double pj_now(void) {
     struct timespec ts;
     clock_gettime(CLOCK_MONOTONIC, &ts);
@@ -597,26 +622,62 @@ typedef struct pj_opts {
     cm384_proj_opts po;
 } pj_opts;
 
+static void pj_help(void) {
+    printf("usage: cm384 project [options]\n\n"
+           "Projects a model on CloudMatrix384 (or H800s): the engine's own schedule, placement\n"
+           "(the paper preset at the model's scale) and messages, priced per operator from hardware\n"
+           "specifications and the paper's operator-level measurements.  Prints TPOT, TTFT, tokens/s\n"
+           "per NPU and one layer operator by operator.  docs/how-it-works.md explains the output.\n"
+           "examples:\n"
+           "  cm384 project --batch 96                      DeepSeek-R1, 4K/256, batch 96 per NPU\n"
+           "  cm384 project --table4                        the paper's Tables 2 and 4 beside the projection\n"
+           "  cm384 project --from-run models/shakespeare --svg build/report.svg\n"
+           "options:\n"
+           "  -m, --model DIR|FILE   config.json (or its directory) to project (tests/fixtures/deepseek-r1)\n"
+           "  --hw NAME              cloudmatrix384 (default) or h800\n"
+           "  --prompt N --output N  tokens per request (4096, 256)\n"
+           "  --batch N              decode requests per NPU (default: the largest meeting --slo)\n"
+           "  --max-batch N --slo MS search bound (128) and TPOT target (50 ms)\n"
+           "  --mtp-accept F         MTP draft acceptance (0.7)\n"
+           "  --cache-reuse F        prompt fraction served by the context cache (0)\n"
+           "  --prefill-tokens N     prompt tokens per NPU per prefill batch (16384)\n"
+           "  --microbatches 1|2 --no-int8 --no-int8-dispatch --no-bf16-combine --no-mtp --no-eplb\n"
+           "  --no-graph-bundling    switch a mechanism off\n"
+           "  --prefill-expanded     price prefill attention in the expanded MLA form\n"
+           "  --a2a-affine           dispatch/combine as a fixed part plus bytes at the link's rate\n"
+           "  --from-run DIR         run a workload on the small model DIR (paper preset, every mechanism\n"
+           "                         on) and carry its measured expert load and switches to full scale\n"
+           "  --run-requests N --run-prompt N --run-tokens N   that workload (16, 96, 32)\n"
+           "  -t N                   worker threads for the run (2)\n"
+           "  --svg FILE             the picture (with --from-run: the run's timeline, traffic and load too)\n"
+           "  --trace FILE           keep the run's Chrome trace\n"
+           "  --table4               the paper's Table 4 and Table 2 beside the projection, error per row\n"
+           "  --params               every parameter with its source\n");
+}
+
 static int pj_parse(int argc, char **argv, pj_opts *o) {
     memset(o, 0, sizeof *o);
     o->model = "tests/fixtures/deepseek-r1";
     o->threads = 2;
     o->run_requests = 16; o->run_prompt = 96; o->run_gen = 32;
     cm384_proj_opts_init(&o->po);
+    const char *C = "project";
     for (int i = 2; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
-#define NEED() do { if (!v) { fprintf(stderr, "cm384 project: %s needs a value\n", a); return 2; } i++; } while (0)
-        if (!strcmp(a, "-m") || !strcmp(a, "--model")) { NEED(); o->model = v; }
+        int r = 0;
+#define NEED() do { if (!v) { fprintf(stderr, "cm384 project: %s needs a value\n", a); return PJ_USAGE; } i++; } while (0)
+        if (!strcmp(a, "-h") || !strcmp(a, "--help")) { pj_help(); return -1; }
+        else if (!strcmp(a, "-m") || !strcmp(a, "--model")) { NEED(); o->model = v; }
         else if (!strcmp(a, "--hw")) { NEED(); o->po.hw = v; }
-        else if (!strcmp(a, "--prompt")) { NEED(); o->po.prompt = atoi(v); }
-        else if (!strcmp(a, "--output")) { NEED(); o->po.output = atoi(v); }
-        else if (!strcmp(a, "--batch")) { NEED(); o->po.batch = atoi(v); }
-        else if (!strcmp(a, "--max-batch")) { NEED(); o->po.max_batch = atoi(v); }
-        else if (!strcmp(a, "--slo")) { NEED(); o->po.tpot_slo_ms = atof(v); }
-        else if (!strcmp(a, "--mtp-accept")) { NEED(); o->po.mtp_accept = atof(v); }
-        else if (!strcmp(a, "--cache-reuse")) { NEED(); o->po.cache_reuse = atof(v); }
-        else if (!strcmp(a, "--prefill-tokens")) { NEED(); o->po.prefill_tokens = atoi(v); }
-        else if (!strcmp(a, "--microbatches")) { NEED(); o->po.microbatches = atoi(v); }
+        else if (!strcmp(a, "--prompt")) { NEED(); r = pj_int(C, a, v, 1, 1 << 24, &o->po.prompt); }
+        else if (!strcmp(a, "--output")) { NEED(); r = pj_int(C, a, v, 1, 1 << 24, &o->po.output); }
+        else if (!strcmp(a, "--batch")) { NEED(); r = pj_int(C, a, v, 1, 1 << 16, &o->po.batch); }
+        else if (!strcmp(a, "--max-batch")) { NEED(); r = pj_int(C, a, v, 1, 1 << 16, &o->po.max_batch); }
+        else if (!strcmp(a, "--slo")) { NEED(); r = pj_num(C, a, v, 0.001, 1e6, &o->po.tpot_slo_ms); }
+        else if (!strcmp(a, "--mtp-accept")) { NEED(); r = pj_num(C, a, v, 0, 1, &o->po.mtp_accept); }
+        else if (!strcmp(a, "--cache-reuse")) { NEED(); r = pj_num(C, a, v, 0, 0.999, &o->po.cache_reuse); }
+        else if (!strcmp(a, "--prefill-tokens")) { NEED(); r = pj_int(C, a, v, 1, 1 << 26, &o->po.prefill_tokens); }
+        else if (!strcmp(a, "--microbatches")) { NEED(); r = pj_int(C, a, v, 1, 2, &o->po.microbatches); }
         else if (!strcmp(a, "--no-int8")) o->po.int8 = 0;
         else if (!strcmp(a, "--no-int8-dispatch")) o->po.int8_dispatch = 0;
         else if (!strcmp(a, "--no-bf16-combine")) o->po.bf16_combine = 0;
@@ -626,15 +687,16 @@ static int pj_parse(int argc, char **argv, pj_opts *o) {
         else if (!strcmp(a, "--prefill-expanded")) o->po.prefill_expanded = 1;
         else if (!strcmp(a, "--a2a-affine")) o->po.a2a_affine = 1;
         else if (!strcmp(a, "--from-run")) { NEED(); o->from_run = v; }
-        else if (!strcmp(a, "--run-requests")) { NEED(); o->run_requests = atoi(v); }
-        else if (!strcmp(a, "--run-prompt")) { NEED(); o->run_prompt = atoi(v); }
-        else if (!strcmp(a, "--run-tokens")) { NEED(); o->run_gen = atoi(v); }
-        else if (!strcmp(a, "-t")) { NEED(); o->threads = atoi(v); }
+        else if (!strcmp(a, "--run-requests")) { NEED(); r = pj_int(C, a, v, 1, 4096, &o->run_requests); }
+        else if (!strcmp(a, "--run-prompt")) { NEED(); r = pj_int(C, a, v, 2, 65536, &o->run_prompt); }
+        else if (!strcmp(a, "--run-tokens")) { NEED(); r = pj_int(C, a, v, 1, 65536, &o->run_gen); }
+        else if (!strcmp(a, "-t")) { NEED(); r = pj_int(C, a, v, 1, 1024, &o->threads); }
         else if (!strcmp(a, "--svg")) { NEED(); o->svg = v; }
         else if (!strcmp(a, "--trace")) { NEED(); o->trace_keep = v; }
         else if (!strcmp(a, "--table4")) o->table4 = 1;
         else if (!strcmp(a, "--params")) o->params = 1;
-        else { fprintf(stderr, "cm384 project: unknown option %s (see docs/how-it-works.md)\n", a); return 2; }
+        else { fprintf(stderr, "cm384 project: unknown option or argument \"%s\" (cm384 project --help)\n", a); return PJ_USAGE; }
+        if (r) return r;
 #undef NEED
     }
     return 0;
@@ -707,6 +769,7 @@ static void pj_table4(const cm384_model *m, const cm384_proj_opts *base, const p
 int cm384_cli_project(int argc, char **argv) {
     pj_opts o;
     int rc = pj_parse(argc, argv, &o);
+    if (rc < 0) return 0;                  /* --help */
     if (rc) return rc;
     if (o.params) { pj_print_params(); return 0; }
     cm384_model *m;
@@ -788,23 +851,36 @@ int cm384_cli_ablate(int argc, char **argv) {
     const char *model = "models/shakespeare", *target = "tests/fixtures/deepseek-r1";
     int threads = 2, R = 16, P = 128, N = 32, reps = 1, C = 4;
     double shared = 0.5;
+    const char *cmd = "bench --ablate";
     for (int i = 2; i < argc; i++) {
         const char *a = argv[i], *v = i + 1 < argc ? argv[i + 1] : NULL;
+        int r = 0;
         if (!strcmp(a, "--ablate")) continue;
-        if (!v) { fprintf(stderr, "cm384 bench --ablate: %s needs a value\n", a); return 2; }
+        if (!strcmp(a, "-h") || !strcmp(a, "--help")) {
+            printf("usage: cm384 bench --ablate [-m DIR] [--project CONFIG] [--requests N] [-p N] [-n N]\n"
+                   "                            [--concurrency N] [--shared-prefix F] [--reps N] [-t N]\n\n"
+                   "Runs one workload on the small model DIR (models/shakespeare) with every mechanism on (the\n"
+                   "paper preset), then with each switched off in turn, and prints one table: measured here\n"
+                   "(decode tokens/s, TTFT, TPOT, fabric bytes, tokens equal to the exact run, perplexity\n"
+                   "change) beside the same switches projected on CloudMatrix384 for CONFIG (DeepSeek-R1)\n"
+                   "and the gain the paper reports.  Defaults: 16 requests of 128 + 32 tokens, 4 in flight,\n"
+                   "2 tenants sharing half of each prompt, 1 run each.\n");
+            return 0;
+        }
+        if (!v) { fprintf(stderr, "cm384 %s: %s needs a value\n", cmd, a); return PJ_USAGE; }
         if (!strcmp(a, "-m")) model = v;
         else if (!strcmp(a, "--project")) target = v;
-        else if (!strcmp(a, "-t")) threads = atoi(v);
-        else if (!strcmp(a, "--requests")) R = atoi(v);
-        else if (!strcmp(a, "-p")) P = atoi(v);
-        else if (!strcmp(a, "-n")) N = atoi(v);
-        else if (!strcmp(a, "--shared-prefix")) shared = atof(v);
-        else if (!strcmp(a, "--reps")) reps = atoi(v);
-        else if (!strcmp(a, "--concurrency")) C = atoi(v);
-        else { fprintf(stderr, "cm384 bench --ablate: unknown option %s\n", a); return 2; }
+        else if (!strcmp(a, "-t")) r = pj_int(cmd, a, v, 1, 1024, &threads);
+        else if (!strcmp(a, "--requests")) r = pj_int(cmd, a, v, 1, 4096, &R);
+        else if (!strcmp(a, "-p")) r = pj_int(cmd, a, v, 2, 65536, &P);
+        else if (!strcmp(a, "-n")) r = pj_int(cmd, a, v, 1, 65536, &N);
+        else if (!strcmp(a, "--shared-prefix")) r = pj_num(cmd, a, v, 0, 1, &shared);
+        else if (!strcmp(a, "--reps")) r = pj_int(cmd, a, v, 1, 16, &reps);
+        else if (!strcmp(a, "--concurrency")) r = pj_int(cmd, a, v, 1, 4096, &C);
+        else { fprintf(stderr, "cm384 %s: unknown option \"%s\" (cm384 bench --ablate --help)\n", cmd, a); return PJ_USAGE; }
+        if (r) return r;
         i++;
     }
-    if (R < 1 || P < 2 || N < 1 || reps < 1 || C < 1) { fprintf(stderr, "cm384 bench --ablate: bad workload\n"); return 2; }
     cm384_model *m, *big;
     cm384_load_opts lo;
     cm384_load_opts_init(&lo);
