@@ -31,6 +31,7 @@
 #include <string.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
+#include <dirent.h>
 #include <time.h>
 #include <unistd.h>
 
@@ -3807,6 +3808,8 @@ struct cm384_model {
     struct layer_q8 *q8;
     gl_mat        q8_head;        /* lm_head in INT8                                       */
     arena         q8_arena;
+    file_map      q8_file;        /* the model cache's mapped INT8 weights, if used        */
+    char         *cache_dir;      /* load opts: where the model cache is kept (or NULL)     */
     /* load-time progress */
     cm384_progress_fn progress;
     void         *progress_user;
@@ -4084,6 +4087,8 @@ void cm384_model_free(cm384_model *m) {
     free(m->tensors.items);
     arena_free(&m->a);
     arena_free(&m->q8_arena);
+    if (m->q8_file.data) file_map_close(&m->q8_file);
+    free(m->cache_dir);
     pthread_mutex_destroy(&m->q8_mu);
     free(m->path);
     free(m);
@@ -4738,6 +4743,10 @@ int cm384_model_load(const char *path, const cm384_load_opts *opts, cm384_model 
     pthread_mutex_init(&m->q8_mu, NULL);
     m->progress = o.progress;
     m->progress_user = o.progress_user;
+    if (opts && opts->struct_size > offsetof(cm384_load_opts, cache_dir) && o.cache_dir && o.cache_dir[0]) {
+        m->cache_dir = strdup(o.cache_dir);
+        if (!m->cache_dir) { free(m->path); pthread_mutex_destroy(&m->q8_mu); free(m); return fail(CM384_E_NOMEM, "out of memory"); }
+    }
     long pages = sysconf(_SC_PHYS_PAGES), page = sysconf(_SC_PAGESIZE);
     m->phys_mem = pages > 0 && page > 0 ? (uint64_t)pages * (uint64_t)page : 0;
     int r;
@@ -5367,7 +5376,7 @@ static void route_token(const hparams *hp, const float *logits, const float *bia
 #define CM384_FREE(p)       free(p)
 #endif
 
-enum { ROLE_PREFILL = 1, ROLE_ATTN = 2, ROLE_EXPERT = 4, ROLE_SHARED = 8 };
+enum { ROLE_PREFILL = 1, ROLE_ATTN = 2, ROLE_EXPERT = 4, ROLE_SHARED = 8, ROLE_CACHE = 16 };
 enum { PHASE_PREFILL = 0, PHASE_DECODE = 1 };
 
 typedef struct device {
@@ -5408,6 +5417,169 @@ static void pl_sort(placement *p, int l) {
     for (int i = n; i < p->n_entries; i++) ord[i] = -1;
 }
 
+/* ---- the worker pool, shared by the peers ---- */
+/* Prefill and decode each run their own loop (section 12) and give their
+ * parallel regions to one pool of worker threads through a lane each.  A
+ * free worker takes the next task of the decode lane first, and of the
+ * prefill lane only when decode has none left unclaimed: a decode region
+ * waits at most for tasks already running, never behind a whole prefill
+ * chunk.  The loop that published a region helps run it -- except the
+ * prefill loop while decode has work, which sleeps instead, so the cores
+ * never have more busy threads than workers: alone, either loop gets every
+ * core; together, decode takes what it needs and prefill the rest.  A lane
+ * holds one region at a time; tasks are claimed from an atomic word
+ * (generation << 32 | next task), as in gl_pool. */
+
+enum { LANE_DECODE = 0, LANE_PREFILL = 1, N_LANES = 2 };
+
+typedef struct lane {
+    _Alignas(64) _Atomic uint64_t work;     /* generation << 32 | next task        */
+    atomic_int      n_tasks;
+    gl_task_fn      fn;
+    void           *ctx;
+    uint32_t        gen;                    /* the publishing loop's copy           */
+    _Alignas(64) atomic_int done;           /* tasks finished in this region        */
+    atomic_int      waiting;                /* its loop sleeps on done_cv           */
+    pthread_cond_t  done_cv;
+} lane;
+
+typedef struct lane_pool {
+    int             n_threads;              /* pool threads; the loops' own are extra */
+    int             oversubscribed;         /* more threads than CPUs: do not spin   */
+    pthread_t      *threads;
+    lane            lanes[N_LANES];
+    pthread_mutex_t mu;
+    pthread_cond_t  wake;
+    _Alignas(64) atomic_int sleepers;
+    atomic_int      stop;
+    atomic_int      decode_busy;            /* the decode loop has work             */
+} lane_pool;
+
+typedef struct lane_worker_arg { lane_pool *lp; int id; } lane_worker_arg;
+
+/* Claims and runs one task of lane L; 0 if it has none unclaimed. */
+static int lane_try(lane_pool *lp, int L, int worker) {
+    lane *ln = &lp->lanes[L];
+    uint64_t w = atomic_load_explicit(&ln->work, memory_order_acquire);
+    uint32_t n = (uint32_t)atomic_load_explicit(&ln->n_tasks, memory_order_acquire);
+    if ((uint32_t)w >= n) return 0;
+    /* a count from a newer region means this one was closed: the CAS fails */
+    if (!atomic_compare_exchange_strong_explicit(&ln->work, &w, w + 1, memory_order_acquire, memory_order_acquire))
+        return 1;
+    ln->fn(ln->ctx, (int)(uint32_t)w, worker);
+    if ((uint32_t)atomic_fetch_add_explicit(&ln->done, 1, memory_order_seq_cst) + 1 == n &&
+        atomic_load_explicit(&ln->waiting, memory_order_seq_cst)) {
+        pthread_mutex_lock(&lp->mu);
+        pthread_cond_broadcast(&ln->done_cv);
+        pthread_mutex_unlock(&lp->mu);
+    }
+    return 1;
+}
+
+static int lanes_have_work(lane_pool *lp) {
+    for (int L = 0; L < N_LANES; L++) {
+        lane *ln = &lp->lanes[L];
+        uint64_t w = atomic_load_explicit(&ln->work, memory_order_seq_cst);
+        if ((uint32_t)w < (uint32_t)atomic_load_explicit(&ln->n_tasks, memory_order_seq_cst)) return 1;
+    }
+    return 0;
+}
+
+static void *lane_worker_main(void *arg) {
+    lane_worker_arg *wa = arg;
+    lane_pool *lp = wa->lp;
+    int id = wa->id;
+    CM384_FREE(wa);
+    int spins = 0;
+    int64_t start = 0;
+    for (;;) {
+        if (lane_try(lp, LANE_DECODE, id) || lane_try(lp, LANE_PREFILL, id)) { spins = 0; start = 0; continue; }
+        if (atomic_load_explicit(&lp->stop, memory_order_acquire)) return NULL;
+        if (gl_spin(&spins, &start, lp->oversubscribed)) continue;
+        pthread_mutex_lock(&lp->mu);
+        atomic_fetch_add_explicit(&lp->sleepers, 1, memory_order_seq_cst);
+        while (!lanes_have_work(lp) && !atomic_load_explicit(&lp->stop, memory_order_seq_cst))
+            pthread_cond_wait(&lp->wake, &lp->mu);
+        atomic_fetch_sub_explicit(&lp->sleepers, 1, memory_order_relaxed);
+        pthread_mutex_unlock(&lp->mu);
+        spins = 0;
+        start = 0;
+    }
+}
+
+static void lane_pool_free(lane_pool *lp) {
+    if (!lp) return;
+    pthread_mutex_lock(&lp->mu);
+    atomic_store_explicit(&lp->stop, 1, memory_order_seq_cst);
+    pthread_cond_broadcast(&lp->wake);
+    pthread_mutex_unlock(&lp->mu);
+    for (int i = 0; i < lp->n_threads; i++) pthread_join(lp->threads[i], NULL);
+    for (int L = 0; L < N_LANES; L++) pthread_cond_destroy(&lp->lanes[L].done_cv);
+    pthread_mutex_destroy(&lp->mu);
+    pthread_cond_destroy(&lp->wake);
+    CM384_FREE(lp->threads);
+    CM384_FREE(lp);
+}
+
+/* n_workers - 1 pool threads: worker ids 1 .. n_workers-1; the decode loop
+ * is worker 0 and the prefill loop worker n_workers. */
+static lane_pool *lane_pool_create(int n_workers) {
+    lane_pool *lp = CM384_CALLOC(1, sizeof *lp);
+    if (!lp) return NULL;
+    pthread_mutex_init(&lp->mu, NULL);
+    pthread_cond_init(&lp->wake, NULL);
+    for (int L = 0; L < N_LANES; L++) pthread_cond_init(&lp->lanes[L].done_cv, NULL);
+    lp->oversubscribed = n_workers > gl_n_cpus();
+    int n = n_workers - 1;
+    lp->threads = CM384_CALLOC((size_t)(n > 0 ? n : 1), sizeof(pthread_t));
+    if (!lp->threads) { lane_pool_free(lp); return NULL; }
+    for (int i = 0; i < n; i++) {
+        lane_worker_arg *wa = CM384_MALLOC(sizeof *wa);
+        if (!wa) { lane_pool_free(lp); return NULL; }
+        wa->lp = lp; wa->id = i + 1;
+        if (pthread_create(&lp->threads[i], NULL, lane_worker_main, wa) != 0) { CM384_FREE(wa); lane_pool_free(lp); return NULL; }
+        lp->n_threads = i + 1;          /* only started threads are joined */
+    }
+    return lp;
+}
+
+/* Runs fn(ctx, task, worker) for every task on lane L and returns when all
+ * have finished.  The caller (worker id `worker`) helps when `helps`. */
+static void lane_run(lane_pool *lp, int L, int n_tasks, gl_task_fn fn, void *ctx, int worker, int helps) {
+    if (n_tasks <= 0) return;
+    if (lp->n_threads == 0 || (helps && n_tasks == 1)) {
+        for (int t = 0; t < n_tasks; t++) fn(ctx, t, worker);
+        return;
+    }
+    lane *ln = &lp->lanes[L];
+    /* close the last region for late workers before its count changes */
+    atomic_store_explicit(&ln->work, (uint64_t)ln->gen << 32 | 0xffffffffu, memory_order_relaxed);
+    atomic_store_explicit(&ln->n_tasks, n_tasks, memory_order_release);
+    ln->fn = fn;
+    ln->ctx = ctx;
+    atomic_store_explicit(&ln->done, 0, memory_order_relaxed);
+    ln->gen++;
+    atomic_store_explicit(&ln->work, (uint64_t)ln->gen << 32, memory_order_seq_cst);   /* publishes the above */
+    if (atomic_load_explicit(&lp->sleepers, memory_order_seq_cst) > 0) {
+        pthread_mutex_lock(&lp->mu);
+        pthread_cond_broadcast(&lp->wake);
+        pthread_mutex_unlock(&lp->mu);
+    }
+    int spins = 0;
+    int64_t start = 0;
+    if (helps) {
+        while (lane_try(lp, L, worker)) {}
+        while (atomic_load_explicit(&ln->done, memory_order_acquire) < n_tasks && gl_spin(&spins, &start, lp->oversubscribed)) {}
+    }
+    if (atomic_load_explicit(&ln->done, memory_order_acquire) < n_tasks) {
+        pthread_mutex_lock(&lp->mu);
+        atomic_store_explicit(&ln->waiting, 1, memory_order_seq_cst);
+        while (atomic_load_explicit(&ln->done, memory_order_seq_cst) < n_tasks) pthread_cond_wait(&ln->done_cv, &lp->mu);
+        atomic_store_explicit(&ln->waiting, 0, memory_order_relaxed);
+        pthread_mutex_unlock(&lp->mu);
+    }
+}
+
 /* ---- parallel regions ---- */
 /* A region is one gl_pool_run: a set of task groups, each belonging to one
  * device.  Every task is timed into its device's busy time; with a trace
@@ -5432,6 +5604,8 @@ typedef struct trace_event { int device, layer, mb; const char *name; uint64_t t
 typedef struct region {
     rg_group  *g;
     int        n_groups, cap, n_tasks;
+    int        lane, caller;               /* the peer whose loop runs it: its lane, its worker id */
+    int        small_tasks;                /* cut products into short tasks: prefill beside decode */
     struct cm384_engine *e;
     const char *name; int layer, mb;     /* label for groups added next     */
     const char *broken;        /* an invariant broke: why (see region_break)     */
@@ -5480,17 +5654,23 @@ typedef struct mm_job {
     float        *y;   int ldy;
     int           n;
     int           chunk;
+    int           n_row_chunks, tok_chunk;   /* tasks: row chunks x token chunks */
     const gl_kernels *k;
 } mm_job;
 
 static void mm_chunk_task(void *ctx, int arg, int c, int worker) {
     (void)arg; (void)worker;
     mm_job *jb = ctx;
-    int r0 = c * jb->chunk, r1 = r0 + jb->chunk;
+    int rc = c % jb->n_row_chunks, t0 = c / jb->n_row_chunks * jb->tok_chunk, nt = jb->n - t0;
+    if (nt > jb->tok_chunk) nt = jb->tok_chunk;
+    int r0 = rc * jb->chunk, r1 = r0 + jb->chunk;
     if (r1 > jb->w->rows) r1 = jb->w->rows;
-    if (jb->w->type == GL_Q8) jb->k->matmul_q8(jb->w, jb->xq, jb->xs, jb->n, jb->ldx, jb->y, jb->ldy, r0, r1);
-    else jb->k->matmul(jb->w, jb->x, jb->n, jb->ldx, jb->y, jb->ldy, r0, r1);
+    size_t xo = (size_t)t0 * jb->ldx, yo = (size_t)t0 * jb->ldy;
+    if (jb->w->type == GL_Q8) jb->k->matmul_q8(jb->w, jb->xq + xo, jb->xs + t0, nt, jb->ldx, jb->y + yo, jb->ldy, r0, r1);
+    else jb->k->matmul(jb->w, jb->x + xo, nt, jb->ldx, jb->y + yo, jb->ldy, r0, r1);
 }
+
+#define SMALL_TASK_MACS (4u << 20)    /* a prefill task beside decode: ~0.2-0.5 ms on a core */
 
 /* Adds job jb (which must stay alive until the region has run). */
 static void region_add_mm(region *rg, int n_workers, mm_job *jb, int device) {
@@ -5505,7 +5685,18 @@ static void region_add_mm(region *rg, int n_workers, mm_job *jb, int device) {
     int chunk = (jb->w->rows + nc - 1) / nc;
     chunk = (chunk + 15) & ~15;
     jb->chunk = chunk;
-    region_add(rg, mm_chunk_task, jb, 0, (jb->w->rows + chunk - 1) / chunk, device);
+    jb->n_row_chunks = (jb->w->rows + chunk - 1) / chunk;
+    jb->tok_chunk = jb->n;
+    /* beside decode, a long task would hold a worker decode wants: cut the
+       tokens too (each row's result is the same whatever batch it is in) */
+    size_t macs = (size_t)chunk * jb->w->cols * (size_t)jb->n;
+    if (rg->small_tasks && macs > SMALL_TASK_MACS) {
+        size_t per = (size_t)chunk * jb->w->cols;
+        int t = (int)(SMALL_TASK_MACS / (per ? per : 1));
+        t = t < 4 ? 4 : t & ~3;
+        if (t < jb->n) jb->tok_chunk = t;
+    }
+    region_add(rg, mm_chunk_task, jb, 0, jb->n_row_chunks * ((jb->n + jb->tok_chunk - 1) / jb->tok_chunk), device);
 }
 
 /* ---- per-microbatch working memory (carved from the pool) ---- */
@@ -5513,6 +5704,14 @@ static void region_add_mm(region *rg, int n_workers, mm_job *jb, int device) {
 #define CORE_TILE 4       /* queries of one sequence the attention core takes together */
 #define CORE_KEYS 64      /* keys per attention-core chunk (rounded up to whole KV blocks) */
 #define CORE_SLACK 8.0f   /* the core's softmax terms stay below e^8 (see t_core)         */
+
+/* What travels with each dispatched row besides its payload (and, with INT8
+ * dispatch, its per-token scale): where the expert's output must go back. */
+typedef struct msg_meta {
+    int32_t slot;              /* source row * (K+1) + k: its combine slot          */
+    int16_t expert;            /* routed expert (E: the shared expert)              */
+    int16_t src_dev;           /* the sending device                                */
+} msg_meta;
 
 typedef struct fwd_scratch {
     int     cap;               /* tokens                                          */
@@ -5542,10 +5741,12 @@ typedef struct fwd_scratch {
     int8_t *recv_q;            /* [rows][dim] INT8 dispatch                        */
     float  *recv_s;            /* [rows] their per-token scales                    */
     float  *recv_f;            /* [rows][dim] fp32 dispatch / dequantized          */
-    int    *recv_src;          /* [rows] source row                                */
+    msg_meta *recv_meta;       /* [rows] routing metadata written with each row    */
     float  *ex_a, *ex_b;       /* [rows][max(moe_inter, shared inter)]             */
     float  *ex_out;            /* [rows][dim]                                      */
     float  *comb;              /* [cap][K+1][dim] the source's combine buffer      */
+    uint16_t *comb16;          /* [cap][K+1][dim] the same in BF16 (bf16_combine)  */
+    int    *dst_dev;           /* [cap][K+1] device of each (token, k) row         */
     int    *entry_count, *entry_first;   /* [n_entries + 1]                        */
     int     n_jobs_cap;
     mm_job *jobs;
@@ -5602,9 +5803,11 @@ static void scratch_carve(carver *c, fwd_scratch *s, const hparams *hp, int cap,
     s->row_of = carve(c, C * (K + 1) * sizeof(int));
     s->recv_q = carve(c, R * D);
     s->recv_s = F(R); s->recv_f = F(R * D);
-    s->recv_src = carve(c, R * sizeof(int));
+    s->recv_meta = carve(c, R * sizeof(struct msg_meta));
     s->ex_a = F(R * mi); s->ex_b = F(R * mi); s->ex_out = F(R * D);
     s->comb = F(C * (K + 1) * D);
+    s->comb16 = carve(c, C * (K + 1) * D * sizeof(uint16_t));
+    s->dst_dev = carve(c, C * (K + 1) * sizeof(int));
     s->entry_count = carve(c, ((size_t)n_entries + 1) * sizeof(int));
     s->entry_first = carve(c, ((size_t)n_entries + 2) * sizeof(int));
     s->n_jobs_cap = n_jobs;
@@ -5639,12 +5842,17 @@ typedef struct block_meta {
     int32_t *tokens;         /* [B] the tokens it holds (to verify a hit)        */
 } block_meta;
 
+/* A set of block keys found on disk (open addressing; 0 = empty; section 8). */
+typedef struct key_set { uint64_t *k; int n, cap; } key_set;
+
 struct cm384_engine {
     const cm384_model *m;
     cm384_config      cfg;
     char              preset[16];
     const gl_kernels *k;
-    gl_pool          *pool_threads;
+    gl_pool          *pool_threads;          /* pinned: one thread per device      */
+    lane_pool        *lanes;                 /* otherwise: the peers' shared workers */
+    int               time_shared;           /* one loop runs prefill, then decode  */
     int               n_workers;
     /* topology */
     int               n_dev;
@@ -5673,13 +5881,19 @@ struct cm384_engine {
     int               index_cap;
     int               lru_head, lru_tail;    /* evictable cached blocks          */
     int               n_cached, cache_blocks_max;
-    fwd_scratch       s[2];
-    int               step_cap, max_ctx;
-    region            rg;
+    struct peer      *peers;                 /* [N_LANES]: decode, prefill (section 12) */
+    struct cacher    *cacher;                /* the caching loop (section 12), with cache_dir */
+    char             *cache_dir;             /* cache_dir/<fingerprint>, or NULL  */
+    uint64_t          kv_fingerprint;        /* model and numerics: what KV values depend on */
+    key_set           disk_keys;             /* blocks on disk (under pool_mu)    */
+    uint64_t          n_evictions;           /* under pool_mu                      */
+    int               cache_dev;             /* the caching device                 */
+    pthread_mutex_t   pool_mu;               /* KV blocks, the cache index, owners */
+    int               max_ctx;
     double          (*dbg_cycle_ms)(void *user, int batch, double ctx_mean, double prefill_tokens);
     void             *dbg_cycle_user;        /* tests: a virtual clock for the SLO controller */
     /* fabric and counters */
-    _Atomic uint64_t *traffic, *msgs;        /* [n_dev][n_dev]                  */
+    _Atomic uint64_t *traffic[3];            /* per plane (PLANE_*): [n_dev][n_dev] bytes */
     uint64_t         *busy;                  /* [workers][n_dev] ns             */
     uint64_t         *expert_load;           /* [layers][E] tokens routed       */
     uint64_t         *dev_rows;              /* [2][n_dev] rows computed as expert,
@@ -5694,7 +5908,9 @@ struct cm384_engine {
     int              *eplb_used, *eplb_old;
     uint64_t          weight_bytes[2];       /* weight bytes streamed per phase (stats) */
     _Atomic uint64_t  dispatch_bytes, dispatch_bytes_bf16, combine_bytes, combine_bytes_bf16, n_messages;
-    uint64_t          kv_handoff_bytes;
+    _Atomic uint64_t  local_bytes;           /* rows a device wrote to itself: not fabric */
+    _Atomic uint64_t  kv_handoff_bytes;      /* the RDMA plane                   */
+    int               bf16_combine;          /* expert outputs return in BF16    */
     int              *dbg_route;             /* tests: [layers][max_ctx][K] experts */
     int              *dbg_draft;             /* tests: [max_ctx] draft made at each MTP position */
     float            *dbg_amax;              /* tests, 1 worker: [layer][attn, ffn][dim] max |normed input| */
@@ -5704,15 +5920,15 @@ struct cm384_engine {
     /* trace */
     FILE             *trace;
     trace_event      *tev;                   /* buffered, streamed to the file when full */
-    int               n_tev, cap_tev;
+    int               n_tev, cap_tev;        /* under trace_mu: both peers add events */
     uint64_t          t_origin;
-    unsigned char    *trace_named;           /* [n_dev] device track already named */
+    unsigned char    *trace_named;           /* [n_dev + N_LANES] track already named */
     uint64_t          trace_written, trace_lost;   /* events; lost = the file refused them */
-    /* scheduler (section 11) */
-    pthread_mutex_t   mu;
-    pthread_cond_t    cv_work, cv_done;
-    pthread_t         thread;
-    int               thread_started, stopping;
+    pthread_mutex_t   trace_mu;
+    /* requests (section 12) */
+    pthread_mutex_t   mu;                    /* the queues, the live and done lists, stats */
+    pthread_cond_t    cv_done;
+    int               stopping;
     struct sched     *sched;
 };
 
@@ -5764,8 +5980,11 @@ static void trace_flush(struct cm384_engine *e);
 static void region_run(region *rg) {
     struct cm384_engine *e = rg->e;
     if (rg->n_tasks > 0 && e->pinned) gl_pool_run_pinned(e->pool_threads, region_task_device, rg);
-    else if (rg->n_tasks > 0) gl_pool_run(e->pool_threads, rg->n_tasks, region_task, rg);
+    else if (rg->n_tasks > 0)      /* prefill helps its own region only while decode is idle */
+        lane_run(e->lanes, rg->lane, rg->n_tasks, region_task, rg, rg->caller,
+                 rg->lane == LANE_DECODE || e->time_shared || !atomic_load_explicit(&e->lanes->decode_busy, memory_order_relaxed));
     if (e->trace) {
+        pthread_mutex_lock(&e->trace_mu);           /* both peers add events */
         for (int i = 0; i < rg->n_groups; i++) {
             rg_group *g = &rg->g[i];
             for (int k = 0; k < (g->split ? g->n_split : 1); k++) {
@@ -5777,8 +5996,19 @@ static void region_run(region *rg) {
                 ev->t1 = atomic_load_explicit(&g->t1, memory_order_relaxed);
             }
         }
+        pthread_mutex_unlock(&e->trace_mu);
     }
     rg->n_groups = rg->n_tasks = 0;
+}
+
+/* A span on a peer's own track (after the devices'): its steps. */
+
+static void trace_span(struct cm384_engine *e, int lane, const char *name, uint64_t t0, uint64_t t1) {
+    if (!e->trace) return;
+    pthread_mutex_lock(&e->trace_mu);
+    if (e->n_tev == e->cap_tev) trace_flush(e);
+    e->tev[e->n_tev++] = (trace_event){e->n_dev + lane, -1, 0, name, t0, t1};
+    pthread_mutex_unlock(&e->trace_mu);
 }
 
 /* The embedder's log callback, if any (never on the token path's hot loop). */
@@ -5801,11 +6031,16 @@ static void quantize_row(const struct cm384_engine *e, const float *x, int n, in
     e->k->quantize_q8(x, 1, n, n, q, n, scale);
 }
 
-/* The fabric: every byte a device sends to another is counted. */
-static void fabric_count(struct cm384_engine *e, int src, int dst, uint64_t bytes, uint64_t msgs) {
+/* The fabric's three planes, as in CloudMatrix384: UB carries dispatch and
+ * combine between devices, RDMA the prefill -> decode KV hand-off, and the
+ * memory pool plane the caching devices' loads and saves.  Every byte one
+ * device writes to another is counted on its plane, per (source,
+ * destination); a device writing to itself is local, never counted here. */
+enum { PLANE_UB = 0, PLANE_RDMA = 1, PLANE_POOL = 2 };
+
+static void fabric_count(struct cm384_engine *e, int plane, int src, int dst, uint64_t bytes) {
     size_t i = (size_t)src * e->n_dev + dst;
-    atomic_fetch_add_explicit(&e->traffic[i], bytes, memory_order_relaxed);
-    atomic_fetch_add_explicit(&e->msgs[i], msgs, memory_order_relaxed);
+    atomic_fetch_add_explicit(&e->traffic[plane][i], bytes, memory_order_relaxed);
 }
 
 /* ======================================================================== */
@@ -5860,6 +6095,7 @@ typedef struct op {
     const float         *head_norm;
     const float         *h_in;      /* OP_MTP_IN: [n][dim] main model's final hidden    */
     int                  core_split;/* OP_ATTN: tasks per token in the attention core   */
+    region              *rg;        /* the peer's region its stages add to              */
 } op;
 
 static mm_job *op_job(op *o) {
@@ -5867,7 +6103,7 @@ static mm_job *op_job(op *o) {
     if (o->n_jobs >= s->n_jobs_cap) {
         /* a bug (the jobs are sized at engine creation): hand back a spare job
            that region_add will refuse, and fail the step */
-        region_break(&o->e->rg, "a layer needs more matrix jobs than its scratch was sized for");
+        region_break(o->rg, "a layer needs more matrix jobs than its scratch was sized for");
         o->n_jobs = s->n_jobs_cap;
         return &s->jobs[s->n_jobs_cap];
     }
@@ -5938,11 +6174,22 @@ static void t_norm(void *ctx, int g, int t, int worker) {
     } else if (mb->pending == PEND_COMBINE) {
         int K = hp->top_k, has_shared = m->layers[mb->pending_layer].shared.gate.data != NULL;
         const float *w = s->top_w + (size_t)r * K, *cb = s->comb + (size_t)r * (K + 1) * D;
-        for (int d = 0; d < D; d++) {
-            float acc = 0;
-            for (int k = 0; k < K; k++) acc += w[k] * cb[(size_t)k * D + d];
-            if (has_shared) acc += cb[(size_t)K * D + d];
-            x[d] += acc;
+        if (o->e->bf16_combine) {            /* expert outputs came back in BF16 */
+            const uint16_t *c16 = s->comb16 + (size_t)r * (K + 1) * D;
+            int shared16 = o->e->place[mb->phase].n_shared > 0;   /* else computed here, fp32 */
+            for (int d = 0; d < D; d++) {
+                float acc = 0;
+                for (int k = 0; k < K; k++) acc += w[k] * gl_bf16_to_f32(c16[(size_t)k * D + d]);
+                if (has_shared) acc += shared16 ? gl_bf16_to_f32(c16[(size_t)K * D + d]) : cb[(size_t)K * D + d];
+                x[d] += acc;
+            }
+        } else {
+            for (int d = 0; d < D; d++) {
+                float acc = 0;
+                for (int k = 0; k < K; k++) acc += w[k] * cb[(size_t)k * D + d];
+                if (has_shared) acc += cb[(size_t)K * D + d];
+                x[d] += acc;
+            }
         }
     }
     const float *nw = o->kind == OP_ATTN ? m->layers[o->layer].attn_norm
@@ -6189,10 +6436,14 @@ static void t_quant_att(void *ctx, int g, int t, int worker) {
 
 /* ---- the MoE: dispatch, experts, combine ---- */
 
-/* Source side: send each token to the rows its experts reserved (their
- * devices counted the bytes in the layout pass).  INT8 mode quantizes the
- * token once, with a per-token scale, and copies the bytes to every
- * destination: the early quantization of CloudMatrix's FusedDispatch. */
+/* Source side: write each token's message -- payload, per-token scale with
+ * INT8 dispatch, routing metadata -- into the row its expert's device
+ * reserved for it (the AIV-Direct write), and count the bytes written.  INT8
+ * mode quantizes the token once at the source (into its own staging row; with
+ * W8A8 the norm already did) and copies those bytes to every destination:
+ * the early quantization of CloudMatrix's FusedDispatch.  A row for an expert
+ * on the sending device itself is written too, but it is local memory, not
+ * fabric traffic. */
 static void t_dispatch(void *ctx, int g, int t, int worker) {
     (void)worker;
     op *o = ctx;
@@ -6200,24 +6451,39 @@ static void t_dispatch(void *ctx, int g, int t, int worker) {
     microbatch *mb = o->mb;
     fwd_scratch *s = mb->s;
     const hparams *hp = &e->m->hp;
-    int D = hp->dim, K = hp->top_k, r = mb->groups[g].first + t;
+    int D = hp->dim, K = hp->top_k, r = mb->groups[g].first + t, src = mb->groups[g].device;
     int n_dst = K + (e->place[mb->phase].n_shared > 0);
     const float *xn = s->xn + (size_t)r * D;
-    const int *rows = s->row_of + (size_t)r * (K + 1);
+    const int *rows = s->row_of + (size_t)r * (K + 1), *dst = s->dst_dev + (size_t)r * (K + 1);
+    const int8_t *xq = s->xnq + (size_t)r * D;
+    int int8 = e->cfg.int8_dispatch;
+    if (int8 && !op_q8(o)) quantize_row(e, xn, D, s->xnq + (size_t)r * D, &s->xns[r]);
+    uint64_t remote = 0, local = 0, n_remote = 0;
     for (int k = 0; k < n_dst; k++) {
         int row = rows[k];
-        if (e->cfg.int8_dispatch) {
-            int8_t *q = s->recv_q + (size_t)row * D;
-            if (k == 0) {
-                e->k->quantize_q8(xn, 1, D, D, q, D, &s->recv_s[row]);
-            } else {
-                memcpy(q, s->recv_q + (size_t)rows[0] * D, (size_t)D);
-                s->recv_s[row] = s->recv_s[rows[0]];
-            }
+        size_t bytes;
+        if (int8) {
+            memcpy(s->recv_q + (size_t)row * D, xq, (size_t)D);
+            s->recv_s[row] = s->xns[r];
+            bytes = (size_t)D + sizeof(float);
         } else {
             memcpy(s->recv_f + (size_t)row * D, xn, (size_t)D * sizeof(float));
+            bytes = (size_t)D * sizeof(float);
         }
+        s->recv_meta[row] = (msg_meta){r * (K + 1) + k, (int16_t)(k < K ? s->top_id[(size_t)r * K + k] : hp->n_routed),
+                                       (int16_t)src};
+        bytes += sizeof(msg_meta);
+        if (dst[k] == src) { local += bytes; continue; }
+        fabric_count(e, PLANE_UB, src, dst[k], bytes);
+        remote += bytes;
+        n_remote++;
     }
+    if (remote) {
+        atomic_fetch_add_explicit(&e->dispatch_bytes, remote, memory_order_relaxed);
+        atomic_fetch_add_explicit(&e->dispatch_bytes_bf16, n_remote * (2ull * D + sizeof(msg_meta)), memory_order_relaxed);
+        atomic_fetch_add_explicit(&e->n_messages, n_remote, memory_order_relaxed);
+    }
+    if (local) atomic_fetch_add_explicit(&e->local_bytes, local, memory_order_relaxed);
 }
 
 static int entry_expert(const placement *p, int entry, int E) {
@@ -6231,19 +6497,21 @@ static const ffn_w *entry_weights(const layer_w *L, const layer_q8 *Q, const pla
 }
 
 /* The layout pass (DeepEP's "get layout"): which received row each
- * (token, expert) gets.  Rows are grouped by (device, expert) and, inside an
- * expert, in token order.  The fabric traffic is counted here, once per
- * token message. */
+ * (token, expert) gets, and on which device.  Rows are grouped by (device,
+ * expert) and, inside an expert, in token order.  Nothing is sent here: the
+ * dispatch tasks write (and count) the messages. */
 static void moe_layout(op *o) {
     struct cm384_engine *e = o->e;
     microbatch *mb = o->mb;
     fwd_scratch *s = mb->s;
     const hparams *hp = &e->m->hp;
     const placement *pl = &e->place[mb->phase];
-    int E = hp->n_routed, K = hp->top_k, D = hp->dim, l = o->layer, ne = pl->n_entries;
+    int E = hp->n_routed, K = hp->top_k, l = o->layer, ne = pl->n_entries;
     int NLT = hp->n_layers + hp->n_mtp;
     const int *dev = pl_dev(pl, l), *nrep = pl_nrep(pl, l, E), *ord = pl_order(pl, l);
     int *count = s->entry_count, *first = s->entry_first;
+    uint64_t *load = e->expert_load + (size_t)mb->phase * (e->m->hp.n_layers + e->m->hp.n_mtp) * E;
+    uint64_t *rows = e->dev_rows + (size_t)mb->phase * e->n_dev;
     memset(count, 0, (size_t)ne * sizeof(int));
     if (e->dbg_route)
         for (int t = 0; t < mb->n; t++)
@@ -6258,44 +6526,27 @@ static void moe_layout(op *o) {
     int off = 0;
     for (int i = 0; i < ne && ord[i] >= 0; i++) { first[ord[i]] = off; off += count[ord[i]]; }
     memset(count, 0, (size_t)ne * sizeof(int));
-    uint64_t disp = 0, disp16 = 0, comb = 0, comb16 = 0, msgs = 0;
-    uint64_t b_disp = e->cfg.int8_dispatch ? (uint64_t)D + 4 + 8 : 4ull * D + 8;
-    for (int g = 0; g < mb->n_groups; g++) {
-        int src = mb->groups[g].device;
-        for (int t = mb->groups[g].first; t < mb->groups[g].first + mb->groups[g].n; t++) {
-            for (int k = 0; k <= K; k++) {
-                int en;
-                if (k < K) {
-                    int x = s->top_id[(size_t)t * K + k];
-                    en = x * pl->max_rep + t % nrep[x];
-                    if (l < e->m->hp.n_layers + e->m->hp.n_mtp)
-                        e->expert_load[((size_t)mb->phase * (e->m->hp.n_layers + e->m->hp.n_mtp) + l) * E + x]++;
-                } else if (pl->n_shared) {
-                    en = E * pl->max_rep + t % pl->n_shared;
-                } else {
-                    break;
-                }
-                int row = first[en] + count[en]++;
-                s->row_of[(size_t)t * (K + 1) + k] = row;
-                s->recv_src[row] = t * (K + 1) + k;
-                int dst = dev[en];
-                fabric_count(e, src, dst, b_disp, 1);
-                fabric_count(e, dst, src, 4ull * D, 1);
-                disp += b_disp; disp16 += 2ull * D + 8; comb += 4ull * D; comb16 += 2ull * D; msgs += 2;
+    for (int t = 0; t < mb->n; t++) {
+        for (int k = 0; k <= K; k++) {
+            int en;
+            if (k < K) {
+                int x = s->top_id[(size_t)t * K + k];
+                en = x * pl->max_rep + t % nrep[x];
+                if (l < e->m->hp.n_layers + e->m->hp.n_mtp) load[(size_t)l * E + x]++;
+            } else if (pl->n_shared) {
+                en = E * pl->max_rep + t % pl->n_shared;
+            } else {
+                break;
             }
+            s->row_of[(size_t)t * (K + 1) + k] = first[en] + count[en]++;
+            s->dst_dev[(size_t)t * (K + 1) + k] = dev[en];
         }
     }
-    uint64_t *rows_of_dev = e->dev_rows + (size_t)mb->phase * e->n_dev;
     uint64_t *rows_of_layer = mb->phase == PHASE_DECODE && l < NLT ? e->dev_rows_layer + (size_t)l * e->n_dev : NULL;
     for (int i = 0; i < ne && ord[i] >= 0; i++) {
-        rows_of_dev[dev[ord[i]]] += (uint64_t)count[ord[i]];
+        rows[dev[ord[i]]] += (uint64_t)count[ord[i]];
         if (rows_of_layer) rows_of_layer[dev[ord[i]]] += (uint64_t)count[ord[i]];
     }
-    atomic_fetch_add_explicit(&e->dispatch_bytes, disp, memory_order_relaxed);
-    atomic_fetch_add_explicit(&e->dispatch_bytes_bf16, disp16, memory_order_relaxed);
-    atomic_fetch_add_explicit(&e->combine_bytes, comb, memory_order_relaxed);
-    atomic_fetch_add_explicit(&e->combine_bytes_bf16, comb16, memory_order_relaxed);
-    atomic_fetch_add_explicit(&e->n_messages, msgs, memory_order_relaxed);
 }
 
 #define ROWS_PER_TASK 16
@@ -6345,16 +6596,40 @@ static void t_silu_entry(void *ctx, int en, int c, int worker) {
     }
 }
 
-/* Expert side: write the outputs back into the source's combine buffer. */
+/* Expert side: write each output back into the combine slot its message
+ * named, on the source device -- in BF16 when bf16_combine is on, as
+ * CloudMatrix's FusedCombine does -- counting what crossed the fabric. */
 static void t_combine(void *ctx, int en, int c, int worker) {
     (void)worker;
     op *o = ctx;
+    struct cm384_engine *e = o->e;
     fwd_scratch *s = o->mb->s;
-    int D = o->e->m->hp.dim;
+    int D = e->m->hp.dim, bf16 = e->bf16_combine;
+    int dev = pl_dev(&e->place[o->mb->phase], o->layer)[en];
     int r0 = s->entry_first[en] + c * ROWS_PER_TASK, r1 = r0 + ROWS_PER_TASK;
     if (r1 > s->entry_first[en] + s->entry_count[en]) r1 = s->entry_first[en] + s->entry_count[en];
-    for (int r = r0; r < r1; r++)
-        memcpy(s->comb + (size_t)s->recv_src[r] * D, s->ex_out + (size_t)r * D, (size_t)D * sizeof(float));
+    uint64_t remote = 0, local = 0, n_remote = 0;
+    size_t bytes = (size_t)D * (bf16 ? sizeof(uint16_t) : sizeof(float));
+    for (int r = r0; r < r1; r++) {
+        const msg_meta *mt = &s->recv_meta[r];
+        const float *out = s->ex_out + (size_t)r * D;
+        if (bf16) {
+            uint16_t *dst = s->comb16 + (size_t)mt->slot * D;
+            for (int d = 0; d < D; d++) dst[d] = gl_f32_to_bf16(out[d]);
+        } else {
+            memcpy(s->comb + (size_t)mt->slot * D, out, bytes);
+        }
+        if (mt->src_dev == dev) { local += bytes; continue; }
+        fabric_count(e, PLANE_UB, dev, mt->src_dev, bytes);
+        remote += bytes;
+        n_remote++;
+    }
+    if (remote) {
+        atomic_fetch_add_explicit(&e->combine_bytes, remote, memory_order_relaxed);
+        atomic_fetch_add_explicit(&e->combine_bytes_bf16, n_remote * 2ull * D, memory_order_relaxed);
+        atomic_fetch_add_explicit(&e->n_messages, n_remote, memory_order_relaxed);
+    }
+    if (local) atomic_fetch_add_explicit(&e->local_bytes, local, memory_order_relaxed);
 }
 
 /* ---- the operations ---- */
@@ -6633,12 +6908,14 @@ static void op_init(op *o, struct cm384_engine *e, microbatch *mb, int kind, int
 }
 
 /* Runs two operations (b may be NULL) stage by stage, sharing each region. */
-static void run_ops(struct cm384_engine *e, op *a, op *b) {
+static void run_ops(region *rg, op *a, op *b) {
     int more_a = a != NULL, more_b = b != NULL;
+    if (a) a->rg = rg;
+    if (b) b->rg = rg;
     while (more_a || more_b) {
-        if (more_a) more_a = op_stage(a, &e->rg);
-        if (more_b) more_b = op_stage(b, &e->rg);
-        region_run(&e->rg);
+        if (more_a) more_a = op_stage(a, rg);
+        if (more_b) more_b = op_stage(b, rg);
+        region_run(rg);
     }
 }
 
@@ -6701,6 +6978,7 @@ static void index_remove(struct cm384_engine *e, int b) {
 }
 
 static void cache_evict(struct cm384_engine *e, int b) {
+    e->n_evictions++;
     lru_unlink(e, b);
     index_remove(e, b);
     e->bm[b].cached = 0;
@@ -6757,6 +7035,151 @@ static int cache_insert(struct cm384_engine *e, int b, uint64_t key, uint64_t pa
     e->index[i] = b;
     e->n_cached++;
     return 1;
+}
+
+/* ---- the disk tier: a file per block in cache_dir ---- */
+/* With cache_dir set, every block the cache indexes is also written, by the
+ * caching loop, to a file named by its key in a folder named by the
+ * fingerprint of the model and of every switch that changes KV values (so
+ * another model's blocks, or INT8 blocks for an exact engine, never match).
+ * A later engine, or a restarted process, finds the prefix there when the
+ * pool has lost it.  A file is trusted only if every field agrees with what
+ * the request expects -- magic, version, fingerprint, key, parent key,
+ * tenant, shapes, size, a checksum over the payload, and then the tokens
+ * themselves; anything else is ignored with a log line. */
+
+#define KVF_MAGIC   "CM384KV1"
+#define KVF_VERSION 1u
+
+typedef struct kvf_header {          /* little-endian, as written by this host   */
+    char     magic[8];
+    uint32_t version, block_tokens, n_layers, row, h_dim, tenant;
+    uint64_t fingerprint, key, parent, payload_bytes, checksum;
+} kvf_header;                        /* then: int32 tokens[B], float kv[layers][B][row], float h[h_dim] */
+
+typedef struct kvf_expect {
+    uint64_t fingerprint, key, parent;
+    uint32_t tenant, block_tokens, n_layers, row, h_dim;
+} kvf_expect;
+
+/* The checksum of the cache's files, over 8-byte words; a file can be
+ * summed in pieces whose lengths are multiples of 8 (csum_add), then
+ * finished with its total length. */
+static uint64_t csum_add(uint64_t h, const uint8_t *p, size_t n) {
+    size_t i = 0;
+    for (; i + 8 <= n; i += 8) {
+        uint64_t v;
+        memcpy(&v, p + i, 8);
+        h = (h ^ v) * 0x100000001b3ull;
+        h ^= h >> 29;
+    }
+    for (; i < n; i++) h = (h ^ p[i]) * 0x100000001b3ull;
+    return h;
+}
+
+#define CSUM_START 0x243f6a8885a308d3ull
+
+static uint64_t kvf_checksum(const uint8_t *p, size_t n) {
+    return mix64(csum_add(CSUM_START, p, n) ^ (uint64_t)n);
+}
+
+static size_t kvf_payload_bytes(const kvf_expect *x) {
+    return (size_t)x->block_tokens * sizeof(int32_t) + (size_t)x->n_layers * x->block_tokens * x->row * sizeof(float) +
+           (size_t)x->h_dim * sizeof(float);
+}
+
+/* Checks that buf[0..n) is the file of the block x describes.  Returns NULL
+ * and the payload's offset, or what is wrong.  Reads nothing outside buf. */
+static const char *kvf_parse(const uint8_t *buf, size_t n, const kvf_expect *x, size_t *payload_at) {
+    kvf_header h;
+    if (n < sizeof h) return "shorter than its header";
+    memcpy(&h, buf, sizeof h);
+    if (memcmp(h.magic, KVF_MAGIC, 8)) return "not a cm384 KV block file";
+    if (h.version != KVF_VERSION) return "another format version";
+    if (h.fingerprint != x->fingerprint) return "made by another model or other numerics";
+    if (h.block_tokens != x->block_tokens || h.n_layers != x->n_layers || h.row != x->row || h.h_dim != x->h_dim)
+        return "block shape differs";
+    if (h.key != x->key || h.parent != x->parent || h.tenant != x->tenant) return "holds another prefix";
+    size_t want = kvf_payload_bytes(x);
+    if (h.payload_bytes != (uint64_t)want) return "payload size field is wrong";
+    if (n - sizeof h != want) return n - sizeof h < want ? "truncated" : "longer than its payload";
+    if (kvf_checksum(buf + sizeof h, want) != h.checksum) return "checksum mismatch (damaged)";
+    *payload_at = sizeof h;
+    return NULL;
+}
+
+/* The model's fingerprint: shapes, RoPE, and every tensor's name, type,
+ * shape and a few samples of its bytes (start, middle, end) -- enough to
+ * tell two checkpoints apart without reading all their weights. */
+static uint64_t model_fingerprint(const cm384_model *m) {
+    const hparams *hp = &m->hp;
+    uint64_t h = mix64(0x6d6f64656c667072ull);
+    int v[] = {hp->vocab, hp->dim, hp->n_layers, hp->n_mtp, hp->n_heads, hp->q_lora, hp->kv_lora, hp->qk_nope,
+               hp->qk_rope, hp->v_head, hp->n_routed, hp->top_k, hp->inter, hp->moe_inter};
+    for (size_t i = 0; i < sizeof v / sizeof v[0]; i++) h = mix64(h ^ (uint64_t)(uint32_t)v[i]);
+    for (int i = 0; i < hp->qk_rope / 2; i++) { uint32_t b; memcpy(&b, &m->rope_freq[i], 4); h = mix64(h ^ b); }
+    uint32_t sb[2];
+    memcpy(&sb[0], &m->attn_scale, 4); memcpy(&sb[1], &m->rope_mscale, 4);
+    h = mix64(h ^ sb[0] ^ ((uint64_t)sb[1] << 32));
+    uint64_t sum = 0;                                   /* order-free over the tensors */
+    for (int i = 0; i < m->tensors.cap; i++) {
+        const tensor_info *t = &m->tensors.items[i];
+        if (!t->name) continue;
+        uint64_t th = hash_str(t->name, strlen(t->name)) ^ mix64((uint64_t)(t->dtype + 7) * 0x9e37u + (uint64_t)t->nbytes);
+        for (int d = 0; d < t->ndim && d < 4; d++) th = mix64(th ^ (uint64_t)t->shape[d]);
+        size_t at[3] = {0, t->nbytes / 2, t->nbytes > 32 ? t->nbytes - 32 : 0};
+        for (int k = 0; k < 3 && t->data; k++) {
+            size_t len = t->nbytes - at[k] < 32 ? t->nbytes - at[k] : 32;
+            if (at[k] < t->nbytes) th = mix64(th ^ hash_str((const char *)t->data + at[k], len));
+        }
+        sum += mix64(th);
+    }
+    return mix64(h ^ sum);
+}
+
+
+static int key_set_has(const key_set *s, uint64_t key) {
+    if (!s->cap) return 0;
+    for (int i = (int)(key & (uint64_t)(s->cap - 1)); s->k[i]; i = (i + 1) & (s->cap - 1))
+        if (s->k[i] == key) return 1;
+    return 0;
+}
+
+static void key_set_add(key_set *s, uint64_t key) {
+    if (!key || key_set_has(s, key)) return;
+    if (2 * (s->n + 1) > s->cap) {                      /* grow: rehash into twice the room */
+        int cap = s->cap ? 2 * s->cap : 1024;
+        uint64_t *k = CM384_CALLOC((size_t)cap, sizeof *k);
+        if (!k) return;                                 /* a key not remembered is a miss, no more */
+        for (int i = 0; i < s->cap; i++)
+            if (s->k[i]) {
+                int j = (int)(s->k[i] & (uint64_t)(cap - 1));
+                while (k[j]) j = (j + 1) & (cap - 1);
+                k[j] = s->k[i];
+            }
+        CM384_FREE(s->k);
+        s->k = k;
+        s->cap = cap;
+    }
+    int i = (int)(key & (uint64_t)(s->cap - 1));
+    while (s->k[i]) i = (i + 1) & (s->cap - 1);
+    s->k[i] = key;
+    s->n++;
+}
+
+static void key_set_del(key_set *s, uint64_t key) {       /* rebuilds the run after the hole */
+    if (!s->cap) return;
+    int i = (int)(key & (uint64_t)(s->cap - 1));
+    while (s->k[i] && s->k[i] != key) i = (i + 1) & (s->cap - 1);
+    if (!s->k[i]) return;
+    s->k[i] = 0;
+    s->n--;
+    for (int j = (i + 1) & (s->cap - 1); s->k[j]; j = (j + 1) & (s->cap - 1)) {
+        uint64_t v = s->k[j];
+        s->k[j] = 0;
+        s->n--;
+        key_set_add(s, v);
+    }
 }
 
 /* ======================================================================== */
@@ -6921,6 +7344,120 @@ static void t_quantize_weight(void *ctx, int task, int worker) {
     gl_quantize_weight_q8(j->src, (int8_t *)j->dst->data, (float *)j->dst->scale, r0, r1, q->rows + (size_t)worker * q->row_cap);
 }
 
+/* ---- the model cache: INT8 weights kept in cache_dir ---- */
+/* The INT8 copies take a full pass over the weights to make (about a minute
+ * for V2-Lite's 31 GB of BF16).  With cache_dir set they are written once to
+ * <cache_dir>/<model fingerprint>.q8 and memory-mapped by later loads of the
+ * same model.  The file is trusted only if its header, every matrix's shape
+ * and a checksum over all of its bytes agree; otherwise it is remade. */
+
+#define Q8F_MAGIC "CM384Q8\1"
+
+typedef struct q8f_header {
+    char     magic[8];
+    uint32_t version, n_mats;
+    uint64_t fingerprint, data_bytes, checksum;
+} q8f_header;                         /* then n_mats x {rows, cols}, then the matrices, each 64-aligned */
+
+static size_t q8f_mat_bytes(const gl_mat *w) {
+    size_t q = ((size_t)w->rows * w->cols + 63) & ~(size_t)63, sc = ((size_t)w->rows * sizeof(float) + 63) & ~(size_t)63;
+    return q + sc;
+}
+
+static size_t q8f_data_at(int n_mats) {
+    return (sizeof(q8f_header) + (size_t)n_mats * 8 + 63) & ~(size_t)63;
+}
+
+/* Maps the file if it holds exactly these matrices; points them into it. */
+static int q8f_map(cm384_model *m, const char *path, q8_job *jobs, int n, uint64_t fp, const char **why) {
+    file_map f;
+    *why = "cannot be opened";
+    if (access(path, R_OK) || file_map_open(&f, path, 1)) return 0;
+    size_t at = q8f_data_at(n), data = 0;
+    for (int i = 0; i < n; i++) data += q8f_mat_bytes(jobs[i].dst);
+    q8f_header h;
+    int ok = 0;
+    if (f.size < at || f.size != at + data) *why = "size differs from these weights'";
+    else {
+        memcpy(&h, f.data, sizeof h);
+        if (memcmp(h.magic, Q8F_MAGIC, 8) || h.version != 1) *why = "not a cm384 INT8 weight file";
+        else if (h.fingerprint != fp || h.n_mats != (uint32_t)n || h.data_bytes != data) *why = "made for another model";
+        else {
+            ok = 1;
+            for (int i = 0; i < n && ok; i++) {
+                uint32_t rc[2];
+                memcpy(rc, (const uint8_t *)f.data + sizeof h + (size_t)i * 8, 8);
+                ok = rc[0] == (uint32_t)jobs[i].dst->rows && rc[1] == (uint32_t)jobs[i].dst->cols;
+            }
+            if (!ok) *why = "matrix shapes differ";
+            else if (kvf_checksum((const uint8_t *)f.data + at, data) != h.checksum) { ok = 0; *why = "checksum mismatch (damaged)"; }
+        }
+    }
+    if (!ok) { file_map_close(&f); return 0; }
+    const uint8_t *p = (const uint8_t *)f.data + at;
+    for (int i = 0; i < n; i++) {
+        gl_mat *w = jobs[i].dst;
+        w->data = (void *)p;
+        w->scale = (float *)(p + (((size_t)w->rows * w->cols + 63) & ~(size_t)63));
+        p += q8f_mat_bytes(w);
+    }
+    m->q8_file = f;
+    return 1;
+}
+
+/* Writes the matrices straight from memory, summing them as they go, then
+ * the header with the sum (a temporary name, renamed when whole). */
+static int q8f_save(const char *path, q8_job *jobs, int n, uint64_t fp) {
+    char tmp[4200];
+    snprintf(tmp, sizeof tmp, "%s.%ld.tmp", path, (long)getpid());
+    FILE *f = fopen(tmp, "wb");
+    if (!f) return 0;
+    size_t at = q8f_data_at(n), data = 0;
+    static const uint8_t zeros[64];
+    uint8_t *head = CM384_CALLOC(1, at);
+    int ok = head && fwrite(head, 1, at, f) == at;          /* the header's place, for now */
+    uint64_t h = CSUM_START;
+    for (int i = 0; ok && i < n; i++) {
+        const gl_mat *w = jobs[i].dst;
+        size_t q = (size_t)w->rows * w->cols, sc = (size_t)w->rows * sizeof(float);
+        size_t qp = ((q + 63) & ~(size_t)63) - q, scp = ((sc + 63) & ~(size_t)63) - sc;
+        ok = fwrite(w->data, 1, q, f) == q && fwrite(zeros, 1, qp, f) == qp &&
+             fwrite(w->scale, 1, sc, f) == sc && fwrite(zeros, 1, scp, f) == scp;
+        /* the pieces are summed as one run of bytes: each piece's words
+           start where the last left off (q and sc need not be multiples
+           of 8, so sum whole padded sections through a small tail buffer) */
+        uint8_t tail[128];
+        size_t q8 = q & ~(size_t)7, s8 = sc & ~(size_t)7;
+        h = csum_add(h, w->data, q8);
+        memset(tail, 0, sizeof tail);
+        memcpy(tail, (const uint8_t *)w->data + q8, q - q8);
+        h = csum_add(h, tail, (q - q8) + qp);
+        h = csum_add(h, (const uint8_t *)w->scale, s8);
+        memset(tail, 0, sizeof tail);
+        memcpy(tail, (const uint8_t *)w->scale + s8, sc - s8);
+        h = csum_add(h, tail, (sc - s8) + scp);
+        data += q + qp + sc + scp;
+    }
+    q8f_header hd;
+    memset(&hd, 0, sizeof hd);
+    memcpy(hd.magic, Q8F_MAGIC, 8);
+    hd.version = 1; hd.n_mats = (uint32_t)n; hd.fingerprint = fp; hd.data_bytes = data;
+    hd.checksum = mix64(h ^ (uint64_t)data);
+    if (ok) {
+        memcpy(head, &hd, sizeof hd);
+        for (int i = 0; i < n; i++) {
+            uint32_t rc[2] = {(uint32_t)jobs[i].dst->rows, (uint32_t)jobs[i].dst->cols};
+            memcpy(head + sizeof hd + (size_t)i * 8, rc, 8);
+        }
+        ok = fseek(f, 0, SEEK_SET) == 0 && fwrite(head, 1, at, f) == at;
+    }
+    CM384_FREE(head);
+    if (fclose(f)) ok = 0;
+    if (ok && rename(tmp, path)) ok = 0;
+    if (!ok) remove(tmp);
+    return ok;
+}
+
 /* What the INT8 copies take and what they stand in for. */
 typedef struct q8_plan {
     q8_job   *jobs;          /* NULL: count only                                  */
@@ -6936,14 +7473,13 @@ static uint64_t stored_bytes(const gl_mat *w) {
 /* One copy; `replaces`: the source is a checkpoint tensor of its own, which
  * an INT8 engine then no longer reads. */
 static void q8_add(cm384_model *m, q8_plan *pl, const gl_mat *src, gl_mat *dst, int replaces) {
+    (void)m;
     if (pl->status || !src->data) return;
     pl->bytes += (uint64_t)src->rows * src->cols + (uint64_t)src->rows * sizeof(float);
     if (replaces) pl->replaced += stored_bytes(src);
-    if (pl->jobs) {
+    if (pl->jobs) {            /* the shape now; the bytes are made or mapped later */
         dst->type = GL_Q8; dst->rows = src->rows; dst->cols = src->cols;
-        dst->data = arena_alloc(&m->q8_arena, (size_t)src->rows * src->cols);
-        dst->scale = arena_alloc(&m->q8_arena, (size_t)src->rows * sizeof(float));
-        if (!dst->data || !dst->scale) { pl->status = fail(CM384_E_NOMEM, "out of memory for INT8 weights"); return; }
+        dst->data = NULL; dst->scale = NULL;
         pl->jobs[pl->n] = (q8_job){src, dst, pl->tasks};
     }
     pl->tasks += (src->rows + Q8_ROWS - 1) / Q8_ROWS;
@@ -7001,10 +7537,13 @@ static void q8_walk(cm384_model *m, layer_q8 *q8, q8_plan *pl) {
 }
 
 /* Makes the INT8 copies once per model (the first caller does; later ones
- * find them).  progress may be NULL: engines make them silently; a load with
- * int8 = 1 reports stage "quantize" in bytes of copies made, in about 50
- * steps, and may be cancelled between steps. */
-static int model_make_q8(cm384_model *m, gl_pool *pool, cm384_progress_fn progress, void *user) {
+ * find them).  With cache_dir they come from the model cache when it holds
+ * them (mapped, not made), and are saved there when made.  progress may be
+ * NULL: engines make them silently; a load with int8 = 1 reports stage
+ * "quantize" in bytes of copies made, in about 50 steps, and may be
+ * cancelled between steps.  e (may be NULL) gets the model cache's log lines. */
+static int model_make_q8(cm384_model *m, gl_pool *pool, cm384_progress_fn progress, void *user,
+                         const char *cache_dir, const struct cm384_engine *e) {
     pthread_mutex_lock(&m->q8_mu);
     if (m->q8) { pthread_mutex_unlock(&m->q8_mu); return CM384_OK; }
     const hparams *hp = &m->hp;
@@ -7017,7 +7556,33 @@ static int model_make_q8(cm384_model *m, gl_pool *pool, cm384_progress_fn progre
     if (!q8 || !pl.jobs) pl.status = fail(CM384_E_NOMEM, "out of memory for INT8 weights");
     if (!pl.status) {
         memset(q8, 0, (size_t)NL * sizeof *q8);
-        q8_walk(m, q8, &pl);
+        q8_walk(m, q8, &pl);                  /* the copies' shapes, not yet their bytes */
+    }
+    /* the model cache first; else make them (and keep them there) */
+    char path[4096];
+    uint64_t fp = 0;
+    int mapped = 0;
+    if (!pl.status && cache_dir) {
+        fp = model_fingerprint(m);
+        snprintf(path, sizeof path, "%s/%016llx.q8", cache_dir, (unsigned long long)fp);
+        const char *why = NULL;
+        mapped = q8f_map(m, path, pl.jobs, pl.n, fp, &why);
+        if (!mapped && e && strcmp(why, "cannot be opened")) engine_log(e, 2, "model cache: %s ignored: %s; remade", path, why);
+        if (mapped && e) engine_log(e, 1, "model cache: INT8 weights mapped from %s", path);
+    }
+    if (mapped) {
+        int r = progress && progress(user, "quantize", pl.bytes, pl.bytes)
+              ? fail(CM384_E_CANCELLED, "%s: loading cancelled by the progress callback", m->path) : CM384_OK;
+        m->q8 = q8;
+        CM384_FREE(pl.jobs);
+        pthread_mutex_unlock(&m->q8_mu);
+        return r;
+    }
+    for (int i = 0; !pl.status && i < pl.n; i++) {
+        gl_mat *dst = pl.jobs[i].dst;
+        dst->data = arena_alloc(&m->q8_arena, (size_t)dst->rows * dst->cols);
+        dst->scale = arena_alloc(&m->q8_arena, (size_t)dst->rows * sizeof(float));
+        if (!dst->data || !dst->scale) pl.status = fail(CM384_E_NOMEM, "out of memory for INT8 weights");
     }
     /* a row widened to fp32 per worker (the kernel's scratch) */
     size_t row_cap = 0;
@@ -7050,7 +7615,11 @@ static int model_make_q8(cm384_model *m, gl_pool *pool, cm384_progress_fn progre
         }
         if (!r && !pl.tasks && progress && progress(user, "quantize", 0, 0))
             r = fail(CM384_E_CANCELLED, "%s: loading cancelled by the progress callback", m->path);
-        if (!r) m->q8 = q8;
+        if (!r) {
+            m->q8 = q8;
+            if (cache_dir && !q8f_save(path, pl.jobs, pl.n, fp) && e)
+                engine_log(e, 2, "model cache: cannot write %s: %s", path, strerror(errno));
+        }
     }
     CM384_FREE(rows);
     CM384_FREE(pl.jobs);
@@ -7069,7 +7638,9 @@ static int model_q8_at_load(cm384_model *m, int make) {
     if (!make) return CM384_OK;
     gl_pool *pool = gl_pool_create(gl_n_cpus());
     if (!pool) return fail(CM384_E_NOMEM, "cannot start worker threads to make INT8 weights");
-    int r = model_make_q8(m, pool, m->progress, m->progress_user);
+    const char *cd = m->cache_dir;
+    if (cd && mkdir(cd, 0777) && errno != EEXIST) cd = NULL;
+    int r = model_make_q8(m, pool, m->progress, m->progress_user, cd, NULL);
     gl_pool_free(pool);
     return r;
 }
@@ -7168,6 +7739,11 @@ static int build_topology(struct cm384_engine *e) {
                 if (dd[i] >= 0) { e->dev[dd[i]].roles |= ROLE_EXPERT; e->dev[dd[i]].n_hosted++; }
             break;
         }
+    /* the caching device: the last free one (the paper's caching cluster is
+       the pool's CPUs), or the last device when none is free */
+    e->cache_dev = e->n_dev - 1;
+    for (int d = e->n_dev - 1; d >= 0; d--) if (!e->dev[d].roles) { e->cache_dev = d; break; }
+    e->dev[e->cache_dev].roles |= ROLE_CACHE;
     return CM384_OK;
 }
 
@@ -7198,30 +7774,30 @@ static void seq_op(op *o, struct cm384_engine *e, microbatch *mb, int i) {
 }
 
 /* Main layers and head for one or two microbatches. */
-static void forward_main(struct cm384_engine *e, microbatch *mb, int n_mb) {
+static void forward_main(struct cm384_engine *e, region *rg, microbatch *mb, int n_mb) {
     int n_ops = 2 * e->m->hp.n_layers + 1;
     op a, b;
     for (int i = 0; i < n_mb; i++) mb[i].pending = PEND_EMBED;      /* the first norm embeds */
     if (n_mb == 1) {
-        for (int i = 0; i < n_ops; i++) { seq_op(&a, e, &mb[0], i); run_ops(e, &a, NULL); }
+        for (int i = 0; i < n_ops; i++) { seq_op(&a, e, &mb[0], i); run_ops(rg, &a, NULL); }
         return;
     }
     for (int i = 0; i <= n_ops; i++) {
         if (i < n_ops) seq_op(&a, e, &mb[0], i);
         if (i >= 1) seq_op(&b, e, &mb[1], i - 1);
-        run_ops(e, i < n_ops ? &a : NULL, i >= 1 ? &b : NULL);
+        run_ops(rg, i < n_ops ? &a : NULL, i >= 1 ? &b : NULL);
     }
 }
 
 /* The MTP module over one microbatch whose tok[] are the next tokens and
  * h_in the main model's final-normed hidden rows. */
-static void forward_mtp(struct cm384_engine *e, microbatch *mb, const float *h_in) {
+static void forward_mtp(struct cm384_engine *e, region *rg, microbatch *mb, const float *h_in) {
     int l = e->m->hp.n_layers;
     op o;
-    op_init(&o, e, mb, OP_MTP_IN, l); o.h_in = h_in; run_ops(e, &o, NULL);
-    op_init(&o, e, mb, OP_ATTN, l); run_ops(e, &o, NULL);
-    op_init(&o, e, mb, OP_FFN, l); run_ops(e, &o, NULL);
-    op_init(&o, e, mb, OP_HEAD, l); run_ops(e, &o, NULL);
+    op_init(&o, e, mb, OP_MTP_IN, l); o.h_in = h_in; run_ops(rg, &o, NULL);
+    op_init(&o, e, mb, OP_ATTN, l); run_ops(rg, &o, NULL);
+    op_init(&o, e, mb, OP_FFN, l); run_ops(rg, &o, NULL);
+    op_init(&o, e, mb, OP_HEAD, l); run_ops(rg, &o, NULL);
 }
 
 /* Fills the groups of a microbatch whose tokens are already ordered by
@@ -7476,24 +8052,42 @@ static int slo_choose(slo_ctl *c, double ctx_next, int max_batch) {
 }
 
 /* ======================================================================== */
-/* 12. Requests and the scheduler                                           */
+/* 12. Requests, the peers and their loops                                  */
 /* ======================================================================== */
-/* Any thread may submit, cancel and wait; the engine's scheduler thread does
- * everything else.  Each loop it:
- *   1. finishes cancelled requests;
- *   2. admits waiting requests in order while the pool has blocks for their
- *      prompts (after looking up the context cache) and the decode batch has
- *      room;
- *   3. runs a prefill step: up to prefill_chunk prompt tokens, chunked across
- *      requests, on the prefill devices; a request whose prompt is done gets
- *      its first token and moves (its KV blocks change owner) to the decode
- *      attention device with the fewest requests;
- *   4. runs a decode step: one token for every decoding request, on their
- *      attention devices, the MoE over the expert devices.
+/* Any thread may submit, cancel and wait; the peers do everything else.
+ * Prefill and decode are peer subsystems, as in CloudMatrix-Infer: each has
+ * its own loop (a thread), its own queue, its own devices and its own working
+ * memory, and they meet only through the pool -- the KV blocks, the context
+ * cache, and the queue a request is handed over by.
+ *
+ *   prefill  takes submitted requests in order, admits them while the pool has
+ *            blocks for their prompts and the batch has room (serving the
+ *            longest cached prefix from the context cache), computes up to
+ *            prefill_chunk prompt tokens per step on the prefill devices,
+ *            samples each finished prompt's first token and hands the request
+ *            to decode (its KV blocks change owner: the RDMA plane);
+ *   decode   takes what prefill handed over and runs one token for every
+ *            decoding request per step, attention on their devices, the MoE
+ *            over the expert devices; its regions come first in the worker
+ *            pool (section 6), so a decode step never waits for a prefill
+ *            chunk to end;
+ *   caching  (with cache_dir) writes the blocks the context cache indexes to
+ *            files, and loads the ones a new prompt finds there into its KV
+ *            blocks while prefill computes other prompts (section 8's disk
+ *            tier; its traffic is the memory-pool plane's).
+ *
  * A request needing a new block when none is free preempts the most recently
- * admitted request, whose blocks go back (full ones to the context cache) and
- * which is recomputed later -- so no request is lost and every one ends with
- * exactly one final event. */
+ * admitted decoding request, whose blocks go back (full ones to the context
+ * cache) and which prefill recomputes later -- so no request is lost and every
+ * one ends with exactly one final event.  With time_shared (or one thread per
+ * device) a single loop runs a prefill step and then a decode step, in turn:
+ * the scheduler before the peers, kept for comparison.
+ *
+ * Where later work goes: a loop owns its devices and requests, so a failed
+ * device is the owning loop's business (move its requests, re-place its
+ * experts); the decode loop measures every step (decode_after_step), the
+ * place for a batch-size controller fed by step times and for EPLB from
+ * decode load. */
 
 enum { RQ_WAITING, RQ_PREFILL, RQ_DECODE };
 
@@ -7505,9 +8099,11 @@ struct request {
     int                n_computed;    /* positions whose KV rows are in its blocks   */
     int                n_cached;      /* prompt tokens the context cache served      */
     int                admitted;      /* admitted at least once                      */
+    int                in_batch;      /* counted in the admitted batch               */
     int               *blocks;        /* block table                                 */
     int                n_blocks, cap_blocks;
     int                n_hashed;      /* leading blocks already offered to the cache */
+    int                load_first, load_n;   /* blocks the caching loop loads from disk */
     uint64_t           chain;         /* cache key of the last of those              */
     int                stage, device;
     cm384_sampling     samp;
@@ -7536,36 +8132,54 @@ typedef struct done_rec { uint64_t id; int status; } done_rec;
 
 #define LAT_RING 4096
 
+/* What the API threads and the loops share: under e->mu. */
 typedef struct sched {
-    /* shared with submitting threads: under e->mu */
-    request  *inbox_head, *inbox_tail;
+    request  *inbox_head, *inbox_tail;             /* submitted, not yet seen by prefill */
     request **live;  int n_live, cap_live;         /* submitted, not finished         */
     done_rec *done;  int n_done, cap_done;         /* finished, not yet waited for    */
     uint64_t  next_id;
     double    ttft[LAT_RING], tpot[LAT_RING];
     uint64_t  n_ttft, n_tpot;
     cm384_stats st;                                /* counters                         */
-    /* scheduler thread only */
-    request  *wait_head, *wait_tail;
-    request **run;   int n_run, max_run;           /* admitted, in admission order     */
-    int       decode_cap;                          /* SLO-limited running requests     */
-    slo_ctl   slo;                                 /* with tpot_target_ms               */
-    double    slo_last_end;                        /* end of the last decode step, 0 after idling */
-    uint64_t  slo_last_prefilled;                  /* tokens_prefilled then             */
-    float    *logits;                              /* [rows_cap][vocab]                */
-    int       rows_cap;
-    cand     *cands;                               /* [workers][vocab]                 */
-    mb_arrays mba[2];
-    int      *dev_of;                              /* [step_cap]                       */
-    pthread_mutex_t step_mu;                       /* a step or an eval at a time      */
-    uint64_t *load_mark;                           /* expert load at last rebalance    */
-    float    *hbuf;                                /* [step_cap][dim] final hidden rows */
-    float    *mtp_h;                               /* [step_cap][dim] MTP entry inputs  */
-    request **mtp_req;                             /* [step_cap]                       */
-    int      *mtp_want_row;                        /* [step_cap]                       */
-    int       mtp_n, mtp_w;                        /* MTP entries queued, with logits   */
-    int       steps_since_rebalance;
+    int       n_batch, max_batch;                  /* admitted requests, and the cap  */
 } sched;
+
+/* A peer subsystem: its loop, its queue, its requests and its working
+ * memory (carved from the pool). */
+typedef struct peer {
+    int             lane;          /* LANE_DECODE or LANE_PREFILL: its index in e->peers */
+    int             phase;         /* PHASE_DECODE or PHASE_PREFILL: its placement */
+    region          rg;            /* its parallel regions (lane, worker id)       */
+    fwd_scratch     s[2];          /* per microbatch                               */
+    int             step_cap;      /* tokens per step                              */
+    int             rows_cap;      /* logits rows per step                         */
+    float          *logits;        /* [rows_cap][vocab]                            */
+    cand           *cands;         /* [workers + 1][vocab]                         */
+    mb_arrays       mba[2];
+    int            *dev_of;        /* [step_cap]                                   */
+    float          *hbuf, *mtp_h;  /* MTP: [step_cap][dim] final hidden, entry inputs */
+    request       **mtp_req;       /* [step_cap]                                   */
+    int            *mtp_want_row;  /* [step_cap]                                   */
+    int             mtp_n, mtp_w;  /* MTP entries queued, with logits              */
+    /* its loop: the queue under e->mu, the rest its own */
+    pthread_mutex_t step_mu;       /* a step (or an eval) at a time                */
+    pthread_cond_t  cv;            /* work for it (under e->mu)                    */
+    unsigned        wakes;         /* times it was told of work (under e->mu)      */
+    pthread_t       thread;
+    int             started;
+    request        *in_head, *in_tail;   /* handed to it by the other peer         */
+    request       **run;  int n_run;     /* its requests, in admission order       */
+    request        *wait_head, *wait_tail;  /* prefill: submitted, not admitted    */
+    request        *ready_head, *ready_tail;/* prefill: loaded by the caching loop  */
+    _Atomic uint64_t steps;        /* steps run (the other peer reads it)          */
+    /* decode's step measurements (SLO, EPLB) */
+    atomic_int      decode_cap;    /* requests the SLO lets run (prefill admits within it) */
+    slo_ctl         slo;           /* with tpot_target_ms                          */
+    double          slo_last_end;  /* end of the last decode step, 0 after idling  */
+    uint64_t        slo_last_prefilled;   /* tokens_prefilled then                 */
+    uint64_t       *load_mark;     /* decode expert load at the last rebalance     */
+    int             steps_since_rebalance;
+} peer;
 
 static void request_free(request *r) {
     if (!r) return;
@@ -7574,6 +8188,50 @@ static void request_free(request *r) {
     CM384_FREE(r->text);
     CM384_FREE(r->h_prev);
     CM384_FREE(r);
+}
+
+static void stat_add(struct cm384_engine *e, uint64_t *field, uint64_t v) {
+    pthread_mutex_lock(&e->mu);
+    *field += v;
+    pthread_mutex_unlock(&e->mu);
+}
+
+/* Tells a loop it has work (under e->mu).  The time-shared loop is the
+ * prefill peer's thread. */
+static void wake_peer(struct cm384_engine *e, int lane) {
+    peer *P = &e->peers[e->time_shared ? LANE_PREFILL : lane];
+    P->wakes++;
+    pthread_cond_signal(&P->cv);
+}
+
+/* The caching subsystem's loop (the paper's EMS), with cache_dir: it writes
+ * blocks the cache indexed to their files and loads the blocks a request's
+ * prompt found on disk into the request's KV blocks, off prefill's path --
+ * prefill computes other prompts meanwhile.  Its jobs queue under e->mu. */
+typedef struct cache_job { int block; request *r; } cache_job;   /* save a block, or load r's */
+
+typedef struct cacher {
+    pthread_t       thread;
+    int             started;
+    pthread_cond_t  cv;
+    cache_job      *jobs;   int head, n, cap;   /* a ring */
+    uint8_t        *buf;    size_t buf_cap;     /* one file's bytes */
+} cacher;
+
+/* Queues a job (under e->mu); 0 if there was no memory for it. */
+static int cache_push(struct cm384_engine *e, cache_job j) {
+    cacher *C = e->cacher;
+    if (C->n == C->cap) {
+        int cap = C->cap ? 2 * C->cap : 64;
+        cache_job *q = CM384_MALLOC((size_t)cap * sizeof *q);
+        if (!q) return 0;
+        for (int i = 0; i < C->n; i++) q[i] = C->jobs[(C->head + i) % C->cap];
+        CM384_FREE(C->jobs);
+        C->jobs = q; C->cap = cap; C->head = 0;
+    }
+    C->jobs[(C->head + C->n++) % C->cap] = j;
+    pthread_cond_signal(&C->cv);
+    return 1;
 }
 
 /* ---- events ---- */
@@ -7618,42 +8276,61 @@ static void emit_token(struct cm384_engine *e, request *r, int32_t tok) {
     if (r->fn && r->fn(r->user, &ev)) atomic_store(&r->cancel, 1);
 }
 
-/* Gives a request's blocks back: full computed blocks are offered to the
- * context cache first, so a preempted or finished request's prefix stays
- * reusable. */
+
+/* ---- the pool's blocks: what a request holds ---- */
+
+/* Offers a request's full computed blocks to the context cache, so that a
+ * finished or preempted request's prefix stays reusable.  Under pool_mu. */
 static void offer_blocks(struct cm384_engine *e, request *r) {
     int B = e->kv.block_tokens, full = r->n_computed / B;
     for (int b = r->n_hashed; b < full && b < r->n_blocks; b++) {
         uint64_t key = block_key(r->chain, r->tenant, r->tokens + (size_t)b * B, B);
-        cache_insert(e, r->blocks[b], key, r->chain, r->tenant, r->tokens + (size_t)b * B);
+        if (cache_insert(e, r->blocks[b], key, r->chain, r->tenant, r->tokens + (size_t)b * B) && e->cacher &&
+            !key_set_has(&e->disk_keys, key)) {
+            /* to disk too: the job holds the block until it is written */
+            e->bm[r->blocks[b]].ref++;
+            pthread_mutex_lock(&e->mu);
+            if (!cache_push(e, (cache_job){r->blocks[b], NULL})) e->bm[r->blocks[b]].ref--;
+            pthread_mutex_unlock(&e->mu);
+        }
         r->chain = key;
         r->n_hashed = b + 1;
     }
 }
 
+static void offer_blocks_locked(struct cm384_engine *e, request *r) {
+    pthread_mutex_lock(&e->pool_mu);
+    offer_blocks(e, r);
+    pthread_mutex_unlock(&e->pool_mu);
+}
+
+/* Gives a request's blocks back (full ones to the context cache first). */
 static void release_blocks(struct cm384_engine *e, request *r) {
+    pthread_mutex_lock(&e->pool_mu);
     offer_blocks(e, r);
     for (int b = 0; b < r->n_blocks; b++) block_unref(e, r->blocks[b]);
+    if (r->stage == RQ_DECODE && r->device >= 0) e->dev[r->device].n_owned--;
+    pthread_mutex_unlock(&e->pool_mu);
     r->n_blocks = 0;
     r->n_computed = 0;
     r->n_hashed = 0;
     r->chain = 0;
     r->mtp_done = 0;
     r->draft = -1;
-    if (r->stage == RQ_DECODE && r->device >= 0) e->dev[r->device].n_owned--;
     r->device = -1;
 }
 
-static void run_remove(sched *S, request *r) {
-    for (int i = 0; i < S->n_run; i++)
-        if (S->run[i] == r) {
-            memmove(&S->run[i], &S->run[i + 1], (size_t)(S->n_run - i - 1) * sizeof *S->run);
-            S->n_run--;
+static void run_remove(peer *P, request *r) {
+    for (int i = 0; i < P->n_run; i++)
+        if (P->run[i] == r) {
+            memmove(&P->run[i], &P->run[i + 1], (size_t)(P->n_run - i - 1) * sizeof *P->run);
+            P->n_run--;
             return;
         }
 }
 
-/* Ends a request: its final event, then its record for cm384_wait. */
+/* Ends a request: its final event, then its record for cm384_wait.  The
+ * caller has taken it off its peer's lists. */
 static void finish(struct cm384_engine *e, request *r, int kind, int status) {
     sched *S = e->sched;
     release_blocks(e, r);
@@ -7685,18 +8362,24 @@ static void finish(struct cm384_engine *e, request *r, int kind, int status) {
     else S->st.requests_failed++;
     if (r->t_first > 0) S->ttft[S->n_ttft++ % LAT_RING] = r->t_first - r->t_submit;
     if (r->n_generated > 1) S->tpot[S->n_tpot++ % LAT_RING] = (r->t_last - r->t_first) / (r->n_generated - 1);
+    if (r->in_batch) S->n_batch--;
     pthread_cond_broadcast(&e->cv_done);
+    wake_peer(e, LANE_PREFILL);                  /* blocks and a batch slot came free */
+    if (e->stopping) wake_peer(e, LANE_DECODE);
+    if (e->stopping && e->cacher) pthread_cond_signal(&e->cacher->cv);
     pthread_mutex_unlock(&e->mu);
     request_free(r);
 }
 
-/* ---- admission, preemption ---- */
+/* ---- admission, hand-off, preemption ---- */
 
-static int admit(struct cm384_engine *e, request *r) {
-    sched *S = e->sched;
+/* Gives request r the blocks for its prompt, the cached prefix first.
+ * Returns 0 if the pool has no room for it now. */
+static int admit(struct cm384_engine *e, peer *P, request *r) {
     int B = e->kv.block_tokens, limit = (r->n_tokens - 1) / B, matched = 0;
     uint64_t parent = 0;
     r->n_blocks = 0;
+    pthread_mutex_lock(&e->pool_mu);
     if (e->cache_blocks_max > 0) {
         for (int b = 0; b < limit; b++) {
             const int32_t *tok = r->tokens + (size_t)b * B;
@@ -7710,13 +8393,27 @@ static int admit(struct cm384_engine *e, request *r) {
             matched++;
         }
     }
+    /* the disk tier: the prefix may go on in files the caching loop loads */
+    int on_disk = 0;
+    for (uint64_t k = parent; e->cacher && matched + on_disk < limit; on_disk++) {
+        k = block_key(k, r->tenant, r->tokens + (size_t)(matched + on_disk) * B, B);
+        if (!key_set_has(&e->disk_keys, k)) break;
+    }
     int need = (r->n_tokens + e->mtp + B - 1) / B - matched;      /* MTP also writes slot n_tokens */
     if (need > blocks_available(e)) {
         for (int b = 0; b < r->n_blocks; b++) block_unref(e, r->blocks[b]);
         r->n_blocks = 0;
+        pthread_mutex_unlock(&e->pool_mu);
         return 0;
     }
     for (int i = 0; i < need; i++) r->blocks[r->n_blocks++] = block_get(e);
+    pthread_mutex_unlock(&e->pool_mu);
+    r->load_first = matched;
+    r->load_n = on_disk;
+    pthread_mutex_lock(&e->mu);
+    e->sched->st.cache_hits_pool += (uint64_t)matched;
+    e->sched->st.cache_misses += (uint64_t)(limit - matched - on_disk);
+    pthread_mutex_unlock(&e->mu);
     r->n_computed = matched * B;
     r->n_hashed = matched;
     r->chain = parent;
@@ -7726,15 +8423,15 @@ static int admit(struct cm384_engine *e, request *r) {
     }
     if (!r->admitted) {
         r->n_cached = matched * B;
-        S->st.tokens_cached += (uint64_t)matched * B;
+        stat_add(e, &e->sched->st.tokens_cached, (uint64_t)matched * B);
         r->admitted = 1;
     }
     /* the prefill device with the least prompt work queued */
     int best = e->pre_devs[0], best_load = INT_MAX;
     for (int i = 0; i < e->n_pre; i++) {
         int d = e->pre_devs[i], load = 0;
-        for (int j = 0; j < S->n_run; j++)
-            if (S->run[j]->stage == RQ_PREFILL && S->run[j]->device == d) load += S->run[j]->n_tokens - S->run[j]->n_computed;
+        for (int j = 0; j < P->n_run; j++)
+            if (P->run[j]->device == d) load += P->run[j]->n_tokens - P->run[j]->n_computed;
         if (load < best_load) { best_load = load; best = d; }
     }
     r->device = best;
@@ -7742,40 +8439,62 @@ static int admit(struct cm384_engine *e, request *r) {
     return 1;
 }
 
-/* A request whose prompt is computed moves to a decode attention device:
- * ownership of its KV blocks moves with it (the bytes count as traffic). */
+/* A request whose prompt is computed moves to the decode attention device
+ * with the fewest requests: its KV blocks change owner in the shared pool,
+ * and the bytes a real transfer would carry are counted on the RDMA plane. */
 static void hand_off(struct cm384_engine *e, request *r) {
+    pthread_mutex_lock(&e->pool_mu);
     int best = e->attn_devs[0];
     for (int i = 1; i < e->n_attn; i++)
         if (e->dev[e->attn_devs[i]].n_owned < e->dev[best].n_owned) best = e->attn_devs[i];
     uint64_t bytes = (uint64_t)r->n_blocks * e->kv.block_floats * sizeof(float);
-    fabric_count(e, r->device, best, bytes, (uint64_t)r->n_blocks);
-    e->kv_handoff_bytes += bytes;
+    if (best != r->device) {
+        fabric_count(e, PLANE_RDMA, r->device, best, bytes);
+        atomic_fetch_add_explicit(&e->kv_handoff_bytes, bytes, memory_order_relaxed);
+    }
     for (int b = 0; b < r->n_blocks; b++) e->bm[r->blocks[b]].owner = best;
     r->device = best;
     r->stage = RQ_DECODE;
     e->dev[best].n_owned++;
+    pthread_mutex_unlock(&e->pool_mu);
 }
 
-static void preempt(struct cm384_engine *e, request *r, const char *why) {
-    sched *S = e->sched;
+/* Puts r on decode's queue. */
+static void give_to_decode(struct cm384_engine *e, request *r) {
+    peer *D = &e->peers[LANE_DECODE];
+    r->next = NULL;
+    pthread_mutex_lock(&e->mu);
+    if (D->in_tail) D->in_tail->next = r; else D->in_head = r;
+    D->in_tail = r;
+    wake_peer(e, LANE_DECODE);
+    pthread_mutex_unlock(&e->mu);
+}
+
+/* Decode gives r back to prefill, which recomputes it first. */
+static void preempt(struct cm384_engine *e, peer *D, request *r, const char *why) {
+    peer *P = &e->peers[LANE_PREFILL];
     release_blocks(e, r);
     r->stage = RQ_WAITING;
-    run_remove(S, r);
-    r->next = S->wait_head;
-    S->wait_head = r;
-    if (!S->wait_tail) S->wait_tail = r;
-    S->st.requests_preempted++;
+    run_remove(D, r);
+    pthread_mutex_lock(&e->mu);
+    r->next = P->in_head;
+    P->in_head = r;
+    if (!P->in_tail) P->in_tail = r;
+    e->sched->st.requests_preempted++;
+    if (r->in_batch) e->sched->n_batch--;
+    r->in_batch = 0;
+    wake_peer(e, LANE_PREFILL);
+    pthread_mutex_unlock(&e->mu);
     engine_log(e, 2, "%s: request %llu preempted after %d tokens; it will be recomputed",
                why, (unsigned long long)r->id, r->n_tokens);
 }
 
 /* Stops a request after its latest token if it is done. */
-static int check_stop(struct cm384_engine *e, request *r) {
+static int check_stop(struct cm384_engine *e, peer *P, request *r) {
     int eos = e->m->hp.eos;
     if (r->n_generated >= r->samp.max_tokens || r->n_tokens >= e->max_ctx ||
         (!r->samp.ignore_eos && eos >= 0 && r->tokens[r->n_tokens - 1] == eos)) {
-        run_remove(e->sched, r);
+        run_remove(P, r);
         finish(e, r, CM384_EV_DONE, CM384_OK);
         return 1;
     }
@@ -7789,7 +8508,7 @@ static void accept_token(struct cm384_engine *e, request *r, int32_t tok) {
     r->t_last = t;
     r->tokens[r->n_tokens++] = tok;
     r->n_generated++;
-    e->sched->st.tokens_decoded++;
+    stat_add(e, &e->sched->st.tokens_decoded, 1);
     emit_token(e, r, tok);
 }
 
@@ -7800,7 +8519,7 @@ static void accept_token(struct cm384_engine *e, request *r, int32_t tok) {
  * one more token.  Each token still takes exactly one draw from the request's
  * generator, so MTP on or off gives the same tokens, greedy or sampled. */
 
-typedef struct sample_ctx { struct cm384_engine *e; request **req; int n; } sample_ctx;
+typedef struct sample_ctx { struct cm384_engine *e; peer *P; request **req; int n; } sample_ctx;
 
 static void t_sample(void *ctx, int i, int task, int worker) {
     (void)task;
@@ -7808,31 +8527,30 @@ static void t_sample(void *ctx, int i, int task, int worker) {
     struct cm384_engine *e = sc->e;
     request *r = sc->req[i];
     int V = e->m->hp.vocab;
-    cand *c = e->sched->cands + (size_t)worker * V;
-    r->sampled = sample_token(e->sched->logits + (size_t)r->logit_row * V, V, &r->samp, &r->rng, c);
+    cand *c = sc->P->cands + (size_t)worker * V;
+    r->sampled = sample_token(sc->P->logits + (size_t)r->logit_row * V, V, &r->samp, &r->rng, c);
     r->accepted = 0;
     if (r->drafting && r->sampled == r->draft) {
         r->accepted = 1;
-        r->sampled2 = sample_token(e->sched->logits + (size_t)(r->logit_row + 1) * V, V, &r->samp, &r->rng, c);
+        r->sampled2 = sample_token(sc->P->logits + (size_t)(r->logit_row + 1) * V, V, &r->samp, &r->rng, c);
     }
 }
 
-static void sample_rows(struct cm384_engine *e, request **req, int n) {
-    sample_ctx sc = {e, req, n};
-    e->rg.name = "sample"; e->rg.layer = -1; e->rg.mb = 0;
-    for (int i = 0; i < n; i++) region_add(&e->rg, t_sample, &sc, i, 1, req[i]->device >= 0 ? req[i]->device : 0);
-    region_run(&e->rg);
+static void sample_rows(struct cm384_engine *e, peer *P, request **req, int n) {
+    sample_ctx sc = {e, P, req, n};
+    P->rg.name = "sample"; P->rg.layer = -1; P->rg.mb = 0;
+    for (int i = 0; i < n; i++) region_add(&P->rg, t_sample, &sc, i, 1, req[i]->device >= 0 ? req[i]->device : 0);
+    region_run(&P->rg);
 }
 
-/* ---- the two phases ---- */
+/* ---- a step's rows ---- */
 
 /* Lays out the rows of requests rq[0..nr) (each contributing cnt[i] tokens
  * from position n_computed; a drafted request's second row is its draft)
  * into microbatch arrays, ordered by device.  Rows are numbered from `base`
  * across the step's microbatches. */
-static int build_rows(struct cm384_engine *e, request **rq, const int *cnt, int nr, mb_arrays *a, microbatch *mb,
-                      int phase, int index, int base, int *n_want) {
-    sched *S = e->sched;
+static int build_rows(struct cm384_engine *e, peer *P, request **rq, const int *cnt, int nr, mb_arrays *a,
+                      microbatch *mb, int index, int base, int *n_want) {
     int n = 0, w = 0;
     for (int dev = 0; dev < e->n_dev; dev++) {             /* stable order by device */
         for (int i = 0; i < nr; i++) {
@@ -7847,24 +8565,23 @@ static int build_rows(struct cm384_engine *e, request **rq, const int *cnt, int 
                 a->want[n] = p >= r->n_tokens - 1;
                 if (a->want[n] && p == r->n_tokens - 1) r->logit_row = w;
                 w += a->want[n];
-                S->dev_of[base + n] = dev;
+                P->dev_of[base + n] = dev;
                 n++;
             }
         }
     }
     memset(mb, 0, sizeof *mb);
     mb->n = n; mb->tok = a->tok; mb->pos = a->pos; mb->tables = a->tables; mb->want = a->want;
-    mb->phase = phase; mb->index = index; mb->s = &e->s[index];
-    mb_make_groups(mb, a->groups, S->dev_of + base);
-    if (e->mtp) mb->h_out = S->hbuf + (size_t)base * e->m->hp.dim;
+    mb->phase = P->phase; mb->index = index; mb->s = &P->s[index];
+    mb_make_groups(mb, a->groups, P->dev_of + base);
+    if (e->mtp) mb->h_out = P->hbuf + (size_t)base * e->m->hp.dim;
     *n_want = w;
     return n;
 }
 
 /* Runs rows of requests (split into two microbatches when configured) and
- * leaves the wanted logits in S->logits, rows numbered across microbatches. */
-static void run_phase(struct cm384_engine *e, request **rq, const int *cnt, int nr, int phase) {
-    sched *S = e->sched;
+ * leaves the wanted logits in P->logits, rows numbered across microbatches. */
+static void run_phase(struct cm384_engine *e, peer *P, request **rq, const int *cnt, int nr) {
     microbatch mb[2];
     int n_mb = 1, total = 0;
     for (int i = 0; i < nr; i++) total += cnt[i];
@@ -7876,14 +8593,14 @@ static void run_phase(struct cm384_engine *e, request **rq, const int *cnt, int 
         n_mb = 2;
     }
     int w0 = 0, w1 = 0;
-    build_rows(e, rq, cnt, split, &S->mba[0], &mb[0], phase, 0, 0, &w0);
-    mb[0].logits = S->logits;
+    build_rows(e, P, rq, cnt, split, &P->mba[0], &mb[0], 0, 0, &w0);
+    mb[0].logits = P->logits;
     if (n_mb == 2) {
-        build_rows(e, rq + split, cnt + split, nr - split, &S->mba[1], &mb[1], phase, 1, mb[0].n, &w1);
+        build_rows(e, P, rq + split, cnt + split, nr - split, &P->mba[1], &mb[1], 1, mb[0].n, &w1);
         for (int i = split; i < nr; i++) rq[i]->logit_row += w0;
-        mb[1].logits = S->logits + (size_t)w0 * e->m->hp.vocab;
+        mb[1].logits = P->logits + (size_t)w0 * e->m->hp.vocab;
     }
-    forward_main(e, mb, n_mb);
+    forward_main(e, &P->rg, mb, n_mb);
 }
 
 /* ---- MTP: drafting the next token ---- */
@@ -7894,139 +8611,242 @@ static void run_phase(struct cm384_engine *e, request **rq, const int *cnt, int 
  * h of the position before a step comes from the request (h_prev) or, after
  * a context-cache hit, from the cached block (blk_h). */
 
-static void mtp_flush(struct cm384_engine *e, int phase) {
-    sched *S = e->sched;
-    if (!S->mtp_n) return;
-    mb_arrays *a = &S->mba[0];
+static void mtp_flush(struct cm384_engine *e, peer *P) {
+    if (!P->mtp_n) return;
+    mb_arrays *a = &P->mba[0];
     microbatch mb = {0};
-    mb.n = S->mtp_n; mb.tok = a->tok; mb.pos = a->pos; mb.tables = a->tables; mb.want = a->want;
-    mb.kv_shift = 1; mb.phase = phase; mb.s = &e->s[0]; mb.logits = S->logits;
-    mb_make_groups(&mb, a->groups, S->dev_of);
-    forward_mtp(e, &mb, S->mtp_h);
+    mb.n = P->mtp_n; mb.tok = a->tok; mb.pos = a->pos; mb.tables = a->tables; mb.want = a->want;
+    mb.kv_shift = 1; mb.phase = P->phase; mb.s = &P->s[0]; mb.logits = P->logits;
+    mb_make_groups(&mb, a->groups, P->dev_of);
+    forward_mtp(e, &P->rg, &mb, P->mtp_h);
     int V = e->m->hp.vocab;
-    for (int i = 0; i < S->mtp_n; i++) {
+    for (int i = 0; i < P->mtp_n; i++) {
         if (!a->want[i]) continue;
-        const float *row = S->logits + (size_t)S->mtp_want_row[i] * V;
+        const float *row = P->logits + (size_t)P->mtp_want_row[i] * V;
         int best = 0;
         for (int v = 1; v < V; v++) if (row[v] > row[best]) best = v;
-        S->mtp_req[i]->draft = best;
+        P->mtp_req[i]->draft = best;
         if (e->dbg_draft) e->dbg_draft[a->pos[i]] = best;
     }
-    S->mtp_n = 0;
-    S->mtp_w = 0;
+    P->mtp_n = 0;
+    P->mtp_w = 0;
 }
 
 /* Brings request r's MTP entries up to n_computed - 1; `first` is the first
  * position this step computed (its h is in hbuf at r->row_first). */
-static void mtp_add(struct cm384_engine *e, request *r, int first, int phase) {
-    sched *S = e->sched;
+static void mtp_add(struct cm384_engine *e, peer *P, request *r, int first) {
     int D = e->m->hp.dim, last = r->n_computed - 1;
     for (int pos = r->mtp_done; pos <= last; pos++) {
-        if (S->mtp_n == e->step_cap || (S->mtp_w == S->rows_cap && pos == last)) mtp_flush(e, phase);
-        int i = S->mtp_n++;
-        mb_arrays *a = &S->mba[0];
+        if (P->mtp_n == P->step_cap || (P->mtp_w == P->rows_cap && pos == last)) mtp_flush(e, P);
+        int i = P->mtp_n++;
+        mb_arrays *a = &P->mba[0];
         a->tok[i] = r->tokens[pos + 1];
         a->pos[i] = pos;
         a->tables[i] = r->blocks;
         a->want[i] = pos == last;
-        S->dev_of[i] = r->device;
-        S->mtp_req[i] = r;
-        if (a->want[i]) S->mtp_want_row[i] = S->mtp_w++;
-        const float *h = pos >= first ? S->hbuf + ((size_t)r->row_first + (pos - first)) * D : r->h_prev;
-        memcpy(S->mtp_h + (size_t)i * D, h, (size_t)D * sizeof(float));
+        P->dev_of[i] = r->device;
+        P->mtp_req[i] = r;
+        if (a->want[i]) P->mtp_want_row[i] = P->mtp_w++;
+        const float *h = pos >= first ? P->hbuf + ((size_t)r->row_first + (pos - first)) * D : r->h_prev;
+        memcpy(P->mtp_h + (size_t)i * D, h, (size_t)D * sizeof(float));
     }
     r->mtp_done = last + 1;
     /* remember h of the last computed position, and of block ends for the cache */
     int B = e->kv.block_tokens;
     for (int pos = first; pos <= last; pos++) {
-        const float *h = S->hbuf + ((size_t)r->row_first + (pos - first)) * D;
+        const float *h = P->hbuf + ((size_t)r->row_first + (pos - first)) * D;
         if (pos % B == B - 1) memcpy(e->blk_h + (size_t)r->blocks[pos / B] * D, h, (size_t)D * sizeof(float));
         if (pos == last) memcpy(r->h_prev, h, (size_t)D * sizeof(float));
     }
 }
 
 /* Runs the MTP entries of the requests a step touched, device by device. */
-static void mtp_step(struct cm384_engine *e, request **rq, const int *first, int nr, int phase) {
-    sched *S = e->sched;
+static void mtp_step(struct cm384_engine *e, peer *P, request **rq, const int *first, int nr) {
     for (int dev = 0; dev < e->n_dev; dev++)
-        for (int i = 0; i < nr; i++) if (rq[i]->device == dev) mtp_add(e, rq[i], first[i], phase);
-    mtp_flush(e, phase);
-    (void)S;
+        for (int i = 0; i < nr; i++) if (rq[i]->device == dev) mtp_add(e, P, rq[i], first[i]);
+    mtp_flush(e, P);
 }
 
-/* Makes sure r's block table reaches position pos, preempting the most
- * recently admitted requests if the pool is full.  Returns 0, or -1 if r
- * itself had to be preempted. */
-static int ensure_blocks(struct cm384_engine *e, request *r, int pos) {
-    sched *S = e->sched;
-    int B = e->kv.block_tokens;
-    while (pos / B >= r->n_blocks) {
-        int b = block_get(e);
-        while (b < 0) {
-            request *victim = S->run[S->n_run - 1];
-            preempt(e, victim, "KV pool full");
-            if (victim == r) return -1;
-            b = block_get(e);
-        }
-        r->blocks[r->n_blocks++] = b;
-    }
-    return 0;
-}
+/* ---- prefill ---- */
 
 /* A step whose work broke (region_break) fails its requests with
  * CM384_EV_ERROR before anything computed in it is sampled or cached. */
-static int step_failed(struct cm384_engine *e, request **rq, int nr) {
-    if (!e->rg.broken) return 0;
+static int step_failed(struct cm384_engine *e, peer *P, request **rq, int nr) {
+    if (!P->rg.broken) return 0;
     engine_log(e, 2, "internal error: %s; the step's %d request%s fail with CM384_E_INTERNAL",
-               e->rg.broken, nr, nr == 1 ? "" : "s");
+               P->rg.broken, nr, nr == 1 ? "" : "s");
     for (int i = 0; i < nr; i++) {
         request *r = rq[i];
         r->n_computed = r->n_hashed * e->kv.block_tokens;     /* nothing of this step reaches the cache */
-        run_remove(e->sched, r);
+        run_remove(P, r);
         finish(e, r, CM384_EV_ERROR, CM384_E_INTERNAL);
     }
-    e->rg.broken = NULL;
+    P->rg.broken = NULL;
     return 1;
 }
 
-static void prefill_step(struct cm384_engine *e) {
+
+/* Finishes the cancelled requests among prefill's. */
+static void prefill_cancellations(struct cm384_engine *e, peer *P) {
+    for (int i = 0; i < P->n_run; i++) {
+        request *r = P->run[i];
+        if (atomic_load(&r->cancel)) { run_remove(P, r); finish(e, r, CM384_EV_CANCELLED, CM384_E_CANCELLED); i--; }
+    }
+    for (request **pp = &P->wait_head; *pp;) {
+        request *r = *pp;
+        if (atomic_load(&r->cancel)) {
+            *pp = r->next;
+            if (P->wait_tail == r) { P->wait_tail = NULL; for (request *q = P->wait_head; q; q = q->next) P->wait_tail = q; }
+            finish(e, r, CM384_EV_CANCELLED, CM384_E_CANCELLED);
+        } else {
+            pp = &r->next;
+        }
+    }
+}
+
+/* A request with its prompt computed: its first token, then decode. */
+static void prefill_done(struct cm384_engine *e, peer *P, request *r) {
+    hand_off(e, r);
+    run_remove(P, r);
+    accept_token(e, r, r->sampled);
+    if (r->n_generated >= r->samp.max_tokens || r->n_tokens >= e->max_ctx ||
+        (!r->samp.ignore_eos && e->m->hp.eos >= 0 && r->tokens[r->n_tokens - 1] == e->m->hp.eos)) {
+        finish(e, r, CM384_EV_DONE, CM384_OK);
+        return;
+    }
+    give_to_decode(e, r);
+}
+
+/* One round of the prefill loop: take new requests, admit, compute up to
+ * prefill_chunk prompt tokens.  Returns 1 if it did anything. */
+static int prefill_round(struct cm384_engine *e, peer *P) {
     sched *S = e->sched;
+    int progress = 0;
+    pthread_mutex_lock(&e->mu);
+    if (P->in_head) {                      /* preempted: recomputed before the new ones */
+        P->in_tail->next = P->wait_head;
+        if (!P->wait_head) P->wait_tail = P->in_tail;
+        P->wait_head = P->in_head;
+        P->in_head = P->in_tail = NULL;
+    }
+    while (S->inbox_head) {
+        request *r = S->inbox_head;
+        S->inbox_head = r->next;
+        r->next = NULL;
+        if (P->wait_tail) P->wait_tail->next = r; else P->wait_head = r;
+        P->wait_tail = r;
+    }
+    S->inbox_tail = NULL;
+    while (P->ready_head) {                /* the caching loop loaded their prefixes */
+        request *r = P->ready_head;
+        P->ready_head = r->next;
+        r->next = NULL;
+        P->run[P->n_run++] = r;
+        progress = 1;
+    }
+    P->ready_tail = NULL;
+    pthread_mutex_unlock(&e->mu);
+    prefill_cancellations(e, P);
+    /* admission, in order */
+    for (;;) {
+        request *r = P->wait_head;
+        if (!r) break;
+        pthread_mutex_lock(&e->mu);
+        int cap = atomic_load(&e->peers[LANE_DECODE].decode_cap);     /* the SLO's, else max_batch */
+        int room = S->n_batch < (cap < S->max_batch ? cap : S->max_batch);
+        pthread_mutex_unlock(&e->mu);
+        if (!room || !admit(e, P, r)) break;
+        P->wait_head = r->next;
+        if (!P->wait_head) P->wait_tail = NULL;
+        r->next = NULL;
+        pthread_mutex_lock(&e->mu);
+        S->n_batch++;
+        pthread_mutex_unlock(&e->mu);
+        r->in_batch = 1;
+        progress = 1;
+        if (r->load_n > 0) {               /* the rest of its prefix is on disk: the caching loop */
+            pthread_mutex_lock(&e->mu);
+            int queued = cache_push(e, (cache_job){-1, r});
+            pthread_mutex_unlock(&e->mu);
+            if (queued) continue;
+            r->load_n = 0;                 /* no memory for the job: compute it */
+        }
+        P->run[P->n_run++] = r;
+    }
+    /* a prompt the cache served but its last token: straight to decode */
+    for (int i = 0; i < P->n_run; i++) {
+        request *r = P->run[i];
+        if (r->n_tokens - r->n_computed != 1) continue;
+        hand_off(e, r);
+        run_remove(P, r);
+        give_to_decode(e, r);
+        i--;
+        progress = 1;
+    }
+    /* one chunk */
     request *rq[1024];
     int cnt[1024], first[1024], nr = 0, budget = e->cfg.prefill_chunk, rows = 0;
-    for (int i = 0; i < S->n_run && budget > 0 && nr < 1024; i++) {
-        request *r = S->run[i];
+    for (int i = 0; i < P->n_run && budget > 0 && nr < 1024; i++) {
+        request *r = P->run[i];
         int left = r->n_tokens - r->n_computed;
-        if (r->stage != RQ_PREFILL || left <= 1) continue;
         int take = left < budget ? left : budget;
-        if (take == left && rows >= S->rows_cap) continue;       /* no logits row left */
+        if (take == left && rows >= P->rows_cap) continue;       /* no logits row left */
         r->drafting = 0;
         rq[nr] = r; cnt[nr] = take; first[nr] = r->n_computed; nr++;
         budget -= take;
         rows += take == left;
     }
-    if (!nr) return;
+    if (!nr) return progress;
     double t0 = now_ms();
-    run_phase(e, rq, cnt, nr, PHASE_PREFILL);
-    if (step_failed(e, rq, nr)) return;
+    uint64_t ns0 = now_ns(), d0 = atomic_load(&e->peers[LANE_DECODE].steps);
+    run_phase(e, P, rq, cnt, nr);
+    uint64_t overlap = atomic_load(&e->peers[LANE_DECODE].steps) - d0;     /* decode steps done meanwhile */
+    trace_span(e, LANE_PREFILL, "prefill step", ns0, now_ns());
+    if (step_failed(e, P, rq, nr)) return 1;
     request *done_rq[1024];
     int nd = 0;
+    uint64_t tokens = 0;
     for (int i = 0; i < nr; i++) {
         rq[i]->n_computed += cnt[i];
-        S->st.tokens_prefilled += (uint64_t)cnt[i];
+        tokens += (uint64_t)cnt[i];
         if (rq[i]->n_computed == rq[i]->n_tokens) done_rq[nd++] = rq[i];
-        offer_blocks(e, rq[i]);
     }
-    sample_rows(e, done_rq, nd);
+    sample_rows(e, P, done_rq, nd);
     for (int i = 0; i < nd; i++) done_rq[i]->tokens[done_rq[i]->n_tokens] = done_rq[i]->sampled;   /* t_P for MTP */
-    if (e->mtp) mtp_step(e, rq, first, nr, PHASE_PREFILL);
-    if (step_failed(e, rq, nr)) return;
+    if (e->mtp) mtp_step(e, P, rq, first, nr);
+    if (step_failed(e, P, rq, nr)) return 1;
+    for (int i = 0; i < nr; i++) offer_blocks_locked(e, rq[i]);
+    atomic_fetch_add(&P->steps, 1);
+    pthread_mutex_lock(&e->mu);
+    S->st.prefill_steps++;
+    S->st.decode_steps_in_prefill += overlap;
+    S->st.tokens_prefilled += tokens;
     S->st.prefill_seconds += (now_ms() - t0) / 1e3;
-    for (int i = 0; i < nd; i++) {
-        request *r = done_rq[i];
-        hand_off(e, r);
-        accept_token(e, r, r->sampled);
-        check_stop(e, r);
+    pthread_mutex_unlock(&e->mu);
+    for (int i = 0; i < nd; i++) prefill_done(e, P, done_rq[i]);
+    return 1;
+}
+
+/* ---- decode ---- */
+
+/* Makes sure r's block table reaches position pos, preempting the most
+ * recently admitted decoding requests if the pool is full.  Returns 0, or -1
+ * if r itself had to be preempted. */
+static int ensure_blocks(struct cm384_engine *e, peer *D, request *r, int pos) {
+    int B = e->kv.block_tokens;
+    while (pos / B >= r->n_blocks) {
+        pthread_mutex_lock(&e->pool_mu);
+        int b = block_get(e);
+        pthread_mutex_unlock(&e->pool_mu);
+        if (b < 0) {
+            request *victim = D->run[D->n_run - 1];
+            preempt(e, D, victim, "KV pool full");
+            if (victim == r) return -1;
+            continue;
+        }
+        r->blocks[r->n_blocks++] = b;
     }
+    return 0;
 }
 
 /* A request's context when it ends: what the controller must plan for,
@@ -8039,37 +8859,39 @@ static double slo_final_ctx(const struct cm384_engine *e, const request *r) {
 /* How many requests may run (be admitted) now: as many as the SLO
  * controller predicts can decode together within the target, at the
  * contexts they will reach.  Requests over the cap wait in the queue (their
- * wait is TTFT), so no running request's TPOT pays for admitting more. */
-static int slo_admit_cap(struct cm384_engine *e) {
-    sched *S = e->sched;
-    if (!(e->cfg.tpot_target_ms > 0)) return S->max_run;
+ * wait is TTFT), so no running request's TPOT pays for admitting more.
+ * Decode computes it after each step; prefill admits within it. */
+static int slo_admit_cap(struct cm384_engine *e, peer *D) {
+    if (!(e->cfg.tpot_target_ms > 0)) return e->sched->max_batch;
     double ctx = 0;
     int n = 0;
-    for (int i = 0; i < S->n_run; i++) { ctx += slo_final_ctx(e, S->run[i]); n++; }
-    if (S->wait_head) { ctx += slo_final_ctx(e, S->wait_head); n++; }
-    if (!n) return S->decode_cap;
-    int was = S->slo.infeasible;
-    S->decode_cap = slo_choose(&S->slo, ctx / n, S->max_run);
-    if (S->slo.infeasible && !was)
+    for (int i = 0; i < D->n_run; i++) { ctx += slo_final_ctx(e, D->run[i]); n++; }
+    if (!n) return atomic_load(&D->decode_cap);
+    int was = D->slo.infeasible;
+    int cap = slo_choose(&D->slo, ctx / n, e->sched->max_batch);
+    atomic_store(&D->decode_cap, cap);              /* prefill admits within it */
+    if (D->slo.infeasible && !was)
         engine_log(e, 2, "SLO: a TPOT of %.2f ms is infeasible here: one request alone is predicted at %.2f ms (p99)",
-                   e->cfg.tpot_target_ms, slo_tpot_p99(&S->slo, 1, ctx / n));
-    return S->decode_cap;
+                   e->cfg.tpot_target_ms, slo_tpot_p99(&D->slo, 1, ctx / n));
+    return cap;
 }
 
 /* Feeds the controller the cycle just measured: from the end of the last
  * decode step to the end of this one (prefill work in between included). */
-static void slo_after_step(struct cm384_engine *e, request **rq, int nr, int emitted) {
-    sched *S = e->sched;
+static void slo_after_step(struct cm384_engine *e, peer *D, request **rq, int nr, int emitted) {
     if (!(e->cfg.tpot_target_ms > 0) || nr <= 0) return;
     double t = now_ms(), ctx = 0;
     for (int i = 0; i < nr; i++) ctx += rq[i]->n_tokens;
     ctx /= nr;
-    double prefill = (double)(S->st.tokens_prefilled - S->slo_last_prefilled);
-    double cycle = S->slo_last_end > 0 ? t - S->slo_last_end : 0;
+    pthread_mutex_lock(&e->mu);
+    uint64_t prefilled = e->sched->st.tokens_prefilled;
+    pthread_mutex_unlock(&e->mu);
+    double prefill = (double)(prefilled - D->slo_last_prefilled);
+    double cycle = D->slo_last_end > 0 ? t - D->slo_last_end : 0;
     if (e->dbg_cycle_ms) cycle = e->dbg_cycle_ms(e->dbg_cycle_user, nr, ctx, prefill);   /* a test's clock */
-    if (cycle > 0) slo_observe(&S->slo, nr, ctx, prefill, cycle, (double)emitted / nr);
-    S->slo_last_end = t;
-    S->slo_last_prefilled = S->st.tokens_prefilled;
+    if (cycle > 0) slo_observe(&D->slo, nr, ctx, prefill, cycle, (double)emitted / nr);
+    D->slo_last_end = t;
+    D->slo_last_prefilled = prefilled;
 }
 
 /* The SLO's safety valve: when the requests decoding now are predicted to
@@ -8078,33 +8900,63 @@ static void slo_after_step(struct cm384_engine *e, request **rq, int nr, int emi
  * back to the queue -- recomputed later, the same tokens -- until the rest
  * hold it.  Admission plans at the contexts requests will end with, so an
  * evicted request is not taken back until the batch can carry it. */
-static void slo_evict(struct cm384_engine *e) {
-    sched *S = e->sched;
-    if (!(e->cfg.tpot_target_ms > 0) || S->slo.n_obs < 8) return;
+static void slo_evict(struct cm384_engine *e, peer *D) {
+    if (!(e->cfg.tpot_target_ms > 0) || D->slo.n_obs < 8) return;
     for (;;) {
-        int n = 0, newest = -1;
+        int n = D->n_run;
         double ctx = 0;
-        for (int i = 0; i < S->n_run; i++)
-            if (S->run[i]->stage == RQ_DECODE) { n++; ctx += S->run[i]->n_tokens; newest = i; }
-        if (n <= 1 || slo_tpot_p99(&S->slo, n, ctx / n) <= e->cfg.tpot_target_ms) return;
-        preempt(e, S->run[newest], "SLO: the decode batch would miss its TPOT target");
+        for (int i = 0; i < n; i++) ctx += D->run[i]->n_tokens;
+        if (n <= 1 || slo_tpot_p99(&D->slo, n, ctx / n) <= e->cfg.tpot_target_ms) return;
+        preempt(e, D, D->run[n - 1], "SLO: the decode batch would miss its TPOT target");
     }
 }
 
-static void decode_step(struct cm384_engine *e) {
+/* After every decode step, with what it measured: the SLO controller
+ * learns the cycle (and sets the batch prefill may admit), and EPLB
+ * re-places decode's experts from decode's own load. */
+static void decode_after_step(struct cm384_engine *e, peer *D, request **rq, int nr, int emitted) {
+    slo_after_step(e, D, rq, nr, emitted);
+    slo_admit_cap(e, D);
+    if (e->n_red > 0 && e->cfg.eplb_period > 0 && ++D->steps_since_rebalance >= e->cfg.eplb_period) {
+        const hparams *hp = &e->m->hp;
+        size_t n = (size_t)(hp->n_layers + hp->n_mtp) * hp->n_routed;
+        const uint64_t *decode_load = e->expert_load + n;
+        for (size_t i = 0; i < n; i++) { uint64_t v = decode_load[i]; D->load_mark[i] = v - D->load_mark[i]; }
+        if (eplb_rebalance(e, D->load_mark) == CM384_OK)
+            engine_log(e, 1, "EPLB: experts re-placed from the load of the last %d decode steps: expert-device "
+                       "load max/mean %.2f -> %.2f", e->cfg.eplb_period, e->eplb_before, e->eplb_after);
+        memcpy(D->load_mark, decode_load, n * sizeof(uint64_t));
+        D->steps_since_rebalance = 0;
+    }
+}
+
+/* One round of the decode loop: take what prefill handed over, then one
+ * step for every decoding request.  Returns 1 if it did anything. */
+static int decode_round(struct cm384_engine *e, peer *D) {
     sched *S = e->sched;
-    slo_evict(e);
+    pthread_mutex_lock(&e->mu);
+    while (D->in_head) {
+        request *r = D->in_head;
+        D->in_head = r->next;
+        r->next = NULL;
+        D->run[D->n_run++] = r;
+    }
+    D->in_tail = NULL;
+    pthread_mutex_unlock(&e->mu);
+    for (int i = 0; i < D->n_run; i++) {
+        request *r = D->run[i];
+        if (atomic_load(&r->cancel)) { run_remove(D, r); finish(e, r, CM384_EV_CANCELLED, CM384_E_CANCELLED); i--; }
+    }
     request *rq[4096];
     int cnt[4096], first[4096], nr = 0, rows = 0;
-    for (int i = 0; i < S->n_run && rows + 2 <= S->rows_cap && nr < 4096; i++) {
-        request *r = S->run[i];
-        if (r->n_tokens - r->n_computed != 1) continue;
-        if (r->stage == RQ_PREFILL) hand_off(e, r);            /* everything but the last token was cached */
+    slo_evict(e, D);
+    for (int i = 0; i < D->n_run && rows + 2 <= D->rows_cap && nr < 4096; i++) {
+        request *r = D->run[i];
         /* with a draft: rows for the last token and the draft, if both fit */
         int n = r->n_tokens;
         r->drafting = e->mtp && r->draft >= 0 && n + 1 < e->max_ctx && r->n_generated + 2 <= r->samp.max_tokens;
         int last_slot = n - 1 + (e->mtp ? 1 : 0) + r->drafting;          /* MTP writes slot n_computed */
-        if (ensure_blocks(e, r, last_slot)) { i--; continue; }           /* r was preempted: the list shifted */
+        if (ensure_blocks(e, D, r, last_slot)) { i--; continue; }        /* r was preempted: the list shifted */
         rq[nr] = r; cnt[nr] = 1 + r->drafting; first[nr] = n - 1; nr++;
         rows += cnt[nr - 1];
     }
@@ -8113,111 +8965,345 @@ static void decode_step(struct cm384_engine *e) {
     for (int i = 0; i < nr; i++)
         if (rq[i]->stage == RQ_DECODE) { rq[k] = rq[i]; cnt[k] = cnt[i]; first[k] = first[i]; k++; }
     nr = k;
-    if (!nr) return;
+    if (!nr) return 0;
     double t0 = now_ms();
-    run_phase(e, rq, cnt, nr, PHASE_DECODE);
-    if (step_failed(e, rq, nr)) return;
-    sample_rows(e, rq, nr);
+    uint64_t ns0 = now_ns();
+    run_phase(e, D, rq, cnt, nr);
+    if (step_failed(e, D, rq, nr)) return 1;
+    sample_rows(e, D, rq, nr);
+    uint64_t drafted = 0, accepted = 0;
     for (int i = 0; i < nr; i++) {
         request *r = rq[i];
         int n = r->n_tokens;
         r->tokens[n] = r->sampled;
         r->n_computed = n;
         if (r->drafting) {
-            S->st.mtp_drafted++;
-            if (r->accepted) { S->st.mtp_accepted++; r->tokens[n + 1] = r->sampled2; r->n_computed = n + 1; }
+            drafted++;
+            if (r->accepted) { accepted++; r->tokens[n + 1] = r->sampled2; r->n_computed = n + 1; }
         }
     }
-    if (e->mtp) mtp_step(e, rq, first, nr, PHASE_DECODE);
-    if (step_failed(e, rq, nr)) return;
+    if (e->mtp) mtp_step(e, D, rq, first, nr);
+    if (step_failed(e, D, rq, nr)) return 1;
     double dt = now_ms() - t0;
+    atomic_fetch_add(&D->steps, 1);
+    trace_span(e, LANE_DECODE, "decode step", ns0, now_ns());
+    pthread_mutex_lock(&e->mu);
+    S->st.decode_steps++;
     S->st.decode_seconds += dt / 1e3;
+    S->st.mtp_drafted += drafted;
+    S->st.mtp_accepted += accepted;
+    pthread_mutex_unlock(&e->mu);
     int emitted = nr;
     for (int i = 0; i < nr; i++) emitted += rq[i]->drafting && rq[i]->accepted;
-    slo_after_step(e, rq, nr, emitted);
+    decode_after_step(e, D, rq, nr, emitted);
     for (int i = 0; i < nr; i++) {
         request *r = rq[i];
         int second = r->drafting && r->accepted;
         accept_token(e, r, r->sampled);
-        if (check_stop(e, r)) continue;
+        if (check_stop(e, D, r)) continue;
         if (second) {
             accept_token(e, r, r->sampled2);
-            check_stop(e, r);
+            check_stop(e, D, r);
         }
     }
-    if (e->n_red > 0 && e->cfg.eplb_period > 0 && ++S->steps_since_rebalance >= e->cfg.eplb_period) {
-        /* EPLB: re-place decode's experts from the decode load measured since last time */
-        const hparams *hp = &e->m->hp;
-        size_t n = (size_t)(hp->n_layers + hp->n_mtp) * hp->n_routed;
-        const uint64_t *decode_load = e->expert_load + n;
-        for (size_t i = 0; i < n; i++) { uint64_t v = decode_load[i]; S->load_mark[i] = v - S->load_mark[i]; }
-        if (eplb_rebalance(e, S->load_mark) == CM384_OK)
-            engine_log(e, 1, "EPLB: experts re-placed from the load of the last %d decode steps: expert-device "
-                       "load max/mean %.2f -> %.2f", e->cfg.eplb_period, e->eplb_before, e->eplb_after);
-        memcpy(S->load_mark, decode_load, n * sizeof(uint64_t));
-        S->steps_since_rebalance = 0;
-    }
+    return 1;
 }
 
-static void sched_step(struct cm384_engine *e) {
+/* ---- the caching loop's jobs ---- */
+
+static void kvf_path(const struct cm384_engine *e, uint64_t key, char *out, size_t cap) {
+    snprintf(out, cap, "%s/%016llx.kv", e->cache_dir, (unsigned long long)key);
+}
+
+static kvf_expect kvf_expect_for(const struct cm384_engine *e, uint64_t key, uint64_t parent, uint32_t tenant) {
+    return (kvf_expect){e->kv_fingerprint, key, parent, tenant, (uint32_t)e->kv.block_tokens, (uint32_t)e->kv.n_layers,
+                        (uint32_t)e->kv.row, e->mtp ? (uint32_t)e->m->hp.dim : 0u};
+}
+
+static uint8_t *cacher_buf(cacher *C, size_t n) {
+    if (n > C->buf_cap) {
+        uint8_t *b = CM384_MALLOC(n);
+        if (!b) return NULL;
+        CM384_FREE(C->buf);
+        C->buf = b;
+        C->buf_cap = n;
+    }
+    return C->buf;
+}
+
+/* Writes block b to its file (a temporary name, then renamed, so a reader
+ * never sees half a file), then lets go of it. */
+static void cache_save(struct cm384_engine *e, int b) {
+    block_meta *bm = &e->bm[b];
+    kvf_expect x = kvf_expect_for(e, bm->hash, bm->parent, bm->tenant);
+    size_t pay = kvf_payload_bytes(&x), B = (size_t)e->kv.block_tokens;
+    kvf_header h;
+    uint8_t *buf = cacher_buf(e->cacher, sizeof h + pay);
+    int ok = 0;
+    if (buf) {
+        uint8_t *p = buf + sizeof h;
+        memcpy(p, bm->tokens, B * sizeof(int32_t));
+        memcpy(p + B * sizeof(int32_t), e->kv.data + (size_t)b * e->kv.block_floats, e->kv.block_floats * sizeof(float));
+        if (x.h_dim) memcpy(p + B * sizeof(int32_t) + e->kv.block_floats * sizeof(float), e->blk_h + (size_t)b * x.h_dim,
+                            (size_t)x.h_dim * sizeof(float));
+        memset(&h, 0, sizeof h);
+        memcpy(h.magic, KVF_MAGIC, 8);
+        h.version = KVF_VERSION; h.block_tokens = x.block_tokens; h.n_layers = x.n_layers; h.row = x.row;
+        h.h_dim = x.h_dim; h.tenant = x.tenant; h.fingerprint = x.fingerprint; h.key = x.key; h.parent = x.parent;
+        h.payload_bytes = pay; h.checksum = kvf_checksum(p, pay);
+        memcpy(buf, &h, sizeof h);
+        char path[4096], tmp[4200];
+        kvf_path(e, x.key, path, sizeof path);
+        snprintf(tmp, sizeof tmp, "%s.%ld.tmp", path, (long)getpid());
+        FILE *f = fopen(tmp, "wb");
+        ok = f && fwrite(buf, 1, sizeof h + pay, f) == sizeof h + pay;
+        if (f && fclose(f)) ok = 0;
+        if (ok && rename(tmp, path)) ok = 0;
+        if (!ok) { remove(tmp); engine_log(e, 2, "context cache: cannot write %s: %s", path, strerror(errno)); }
+    }
+    pthread_mutex_lock(&e->pool_mu);
+    if (ok) key_set_add(&e->disk_keys, x.key);
+    int owner = bm->owner;
+    block_unref(e, b);
+    pthread_mutex_unlock(&e->pool_mu);
+    if (!ok) return;
+    if (owner >= 0 && owner != e->cache_dev) fabric_count(e, PLANE_POOL, owner, e->cache_dev, pay);
+    pthread_mutex_lock(&e->mu);
+    e->sched->st.cache_blocks_saved++;
+    e->sched->st.cache_bytes_saved += sizeof h + pay;
+    pthread_mutex_unlock(&e->mu);
+}
+
+/* Reads one block's file into block `dst`; NULL or why it was not used. */
+static const char *cache_read(struct cm384_engine *e, const kvf_expect *x, const int32_t *tokens, int dst) {
+    char path[4096];
+    kvf_path(e, x->key, path, sizeof path);
+    FILE *f = fopen(path, "rb");
+    if (!f) return "cannot be opened";
+    size_t want = sizeof(kvf_header) + kvf_payload_bytes(x), got = 0, at = 0;
+    uint8_t *buf = cacher_buf(e->cacher, want + 1);
+    if (buf) got = fread(buf, 1, want + 1, f);            /* one byte more: a longer file is wrong too */
+    fclose(f);
+    if (!buf) return "no memory to read it";
+    const char *why = kvf_parse(buf, got, x, &at);
+    if (why) return why;
+    size_t B = (size_t)x->block_tokens;
+    if (memcmp(buf + at, tokens, B * sizeof(int32_t))) return "holds other tokens";
+    memcpy(e->kv.data + (size_t)dst * e->kv.block_floats, buf + at + B * sizeof(int32_t), e->kv.block_floats * sizeof(float));
+    if (x->h_dim) memcpy(e->blk_h + (size_t)dst * x->h_dim, buf + at + B * sizeof(int32_t) + e->kv.block_floats * sizeof(float),
+                         (size_t)x->h_dim * sizeof(float));
+    return NULL;
+}
+
+/* Loads r's blocks load_first .. load_first+load_n-1 from disk, stopping at
+ * the first that cannot be trusted (prefill computes from there), indexes
+ * them in the pool, and gives r back to prefill. */
+static void cache_load(struct cm384_engine *e, request *r) {
+    int B = e->kv.block_tokens, loaded = 0;
+    uint64_t parent = r->chain;
+    for (int i = 0; i < r->load_n; i++) {
+        int idx = r->load_first + i;
+        const int32_t *tok = r->tokens + (size_t)idx * B;
+        uint64_t key = block_key(parent, r->tenant, tok, B);
+        kvf_expect x = kvf_expect_for(e, key, parent, r->tenant);
+        const char *why = cache_read(e, &x, tok, r->blocks[idx]);
+        if (why) {
+            engine_log(e, 2, "context cache: %s/%016llx.kv ignored: %s", e->cache_dir, (unsigned long long)key, why);
+            pthread_mutex_lock(&e->pool_mu);
+            key_set_del(&e->disk_keys, key);
+            pthread_mutex_unlock(&e->pool_mu);
+            pthread_mutex_lock(&e->mu);
+            e->sched->st.cache_files_ignored++;
+            pthread_mutex_unlock(&e->mu);
+            break;
+        }
+        parent = key;
+        loaded++;
+    }
+    /* the loaded blocks join the pool tier, as if computed here */
+    pthread_mutex_lock(&e->pool_mu);
+    uint64_t k = r->chain;
+    for (int i = 0; i < loaded; i++) {
+        int idx = r->load_first + i;
+        uint64_t key = block_key(k, r->tenant, r->tokens + (size_t)idx * B, B);
+        e->bm[r->blocks[idx]].owner = r->device;
+        cache_insert(e, r->blocks[idx], key, k, r->tenant, r->tokens + (size_t)idx * B);
+        k = key;
+    }
+    pthread_mutex_unlock(&e->pool_mu);
+    int before = r->n_computed;
+    r->n_computed = (r->load_first + loaded) * B;
+    r->n_hashed = r->load_first + loaded;
+    r->chain = k;
+    if (e->mtp && loaded) {
+        r->mtp_done = r->n_computed - 1;
+        memcpy(r->h_prev, e->blk_h + (size_t)r->blocks[r->load_first + loaded - 1] * e->m->hp.dim,
+               (size_t)e->m->hp.dim * sizeof(float));
+    }
+    uint64_t bytes = (uint64_t)loaded * e->kv.block_floats * sizeof(float);
+    if (bytes && r->device != e->cache_dev) fabric_count(e, PLANE_POOL, e->cache_dev, r->device, bytes);
+    peer *P = &e->peers[LANE_PREFILL];
+    pthread_mutex_lock(&e->mu);
     sched *S = e->sched;
-    /* 1. cancellations */
-    for (int i = 0; i < S->n_run; i++) {
-        request *r = S->run[i];
-        if (atomic_load(&r->cancel)) { run_remove(S, r); finish(e, r, CM384_EV_CANCELLED, CM384_E_CANCELLED); i--; }
+    S->st.cache_hits_disk += (uint64_t)loaded;
+    S->st.cache_misses += (uint64_t)(r->load_n - loaded);
+    S->st.cache_bytes_loaded += bytes;
+    if (r->n_cached == before && r->n_generated == 0) {     /* its first admission: the cache served these */
+        r->n_cached = r->n_computed;
+        S->st.tokens_cached += (uint64_t)(r->n_computed - before);
     }
-    for (request **pp = &S->wait_head; *pp;) {
-        request *r = *pp;
-        if (atomic_load(&r->cancel)) {
-            *pp = r->next;
-            if (S->wait_tail == r) { S->wait_tail = NULL; for (request *q = S->wait_head; q; q = q->next) S->wait_tail = q; }
-            finish(e, r, CM384_EV_CANCELLED, CM384_E_CANCELLED);
-        } else {
-            pp = &r->next;
-        }
-    }
-    /* 2. admission (within the SLO controller's cap) */
-    while (S->wait_head && S->n_run < slo_admit_cap(e)) {
-        request *r = S->wait_head;
-        if (!admit(e, r)) break;
-        S->wait_head = r->next;
-        if (!S->wait_head) S->wait_tail = NULL;
-        S->run[S->n_run++] = r;
-    }
-    /* 3. prefill, 4. decode */
-    prefill_step(e);
-    decode_step(e);
+    r->load_n = 0;
+    r->next = NULL;
+    if (P->ready_tail) P->ready_tail->next = r; else P->ready_head = r;
+    P->ready_tail = r;
+    wake_peer(e, LANE_PREFILL);
+    pthread_mutex_unlock(&e->mu);
 }
 
-static void *sched_main(void *arg) {
+static void *cache_main(void *arg) {
     struct cm384_engine *e = arg;
-    sched *S = e->sched;
+    cacher *C = e->cacher;
     pthread_mutex_lock(&e->mu);
     for (;;) {
-        while (S->inbox_head) {                 /* take what was submitted */
-            request *r = S->inbox_head;
-            S->inbox_head = r->next;
-            r->next = NULL;
-            if (S->wait_tail) S->wait_tail->next = r; else S->wait_head = r;
-            S->wait_tail = r;
-        }
-        if (!S->inbox_head) S->inbox_tail = NULL;
-        if (e->stopping) {
-            for (int i = 0; i < S->n_live; i++) atomic_store(&S->live[i]->cancel, 1);
-        }
-        if (!S->wait_head && !S->n_run) {
-            if (e->stopping) break;
-            S->slo_last_end = 0;                 /* an idle gap is not a decode cycle */
-            pthread_cond_wait(&e->cv_work, &e->mu);
+        if (!C->n) {
+            if (e->stopping && e->sched->n_live == 0) break;
+            pthread_cond_wait(&C->cv, &e->mu);
             continue;
         }
+        cache_job j = C->jobs[C->head];
+        C->head = (C->head + 1) % C->cap;
+        C->n--;
         pthread_mutex_unlock(&e->mu);
-        pthread_mutex_lock(&S->step_mu);
-        sched_step(e);
-        pthread_mutex_unlock(&S->step_mu);
+        if (j.r) cache_load(e, j.r);
+        else cache_save(e, j.block);
         pthread_mutex_lock(&e->mu);
     }
     pthread_mutex_unlock(&e->mu);
+    return NULL;
+}
+
+/* Opens cache_dir/<fingerprint> (making it) and notes the blocks in it. */
+static int cache_dir_open(struct cm384_engine *e, const char *dir) {
+    const cm384_config *c = &e->cfg;
+    uint64_t fp = model_fingerprint(e->m);
+    fp = mix64(fp ^ (uint64_t)(c->int8 > 0) ^ (uint64_t)(c->int8_dispatch > 0) << 1 ^ (uint64_t)e->bf16_combine << 2 ^
+               (uint64_t)e->mtp << 3 ^ (uint64_t)e->kv.block_tokens << 8);
+    fp = mix64(fp ^ hash_str(e->k->name, strlen(e->k->name)));   /* fp32 sums differ in the last bits across kernel sets */
+    uint32_t slack;
+    memcpy(&slack, &e->core_slack, 4);
+    e->kv_fingerprint = mix64(fp ^ slack);
+    size_t n = strlen(dir) + 32;
+    e->cache_dir = CM384_MALLOC(n);
+    if (!e->cache_dir) return fail(CM384_E_NOMEM, "out of memory");
+    snprintf(e->cache_dir, n, "%s/%016llx", dir, (unsigned long long)e->kv_fingerprint);
+    if (mkdir(dir, 0777) && errno != EEXIST) return fail(CM384_E_IO, "cache_dir %s: cannot make it: %s", dir, strerror(errno));
+    if (mkdir(e->cache_dir, 0777) && errno != EEXIST)
+        return fail(CM384_E_IO, "cache_dir %s: cannot make it: %s", e->cache_dir, strerror(errno));
+    DIR *d = opendir(e->cache_dir);
+    if (!d) return fail(CM384_E_IO, "cache_dir %s: cannot read it: %s", e->cache_dir, strerror(errno));
+    for (struct dirent *de; (de = readdir(d));) {
+        const char *nm = de->d_name;
+        if (strlen(nm) != 19 || strcmp(nm + 16, ".kv")) continue;      /* 16 hex digits + ".kv" */
+        uint64_t key = 0;
+        int ok = 1;
+        for (int i = 0; i < 16 && ok; i++) {
+            int ch = nm[i], v = ch >= '0' && ch <= '9' ? ch - '0' : ch >= 'a' && ch <= 'f' ? ch - 'a' + 10 : -1;
+            ok = v >= 0;
+            key = key << 4 | (uint64_t)(v < 0 ? 0 : v);
+        }
+        if (ok) key_set_add(&e->disk_keys, key);
+    }
+    closedir(d);
+    e->cacher = CM384_CALLOC(1, sizeof(cacher));
+    if (!e->cacher) return fail(CM384_E_NOMEM, "out of memory");
+    pthread_cond_init(&e->cacher->cv, NULL);
+    return CM384_OK;
+}
+
+/* ---- the loops ---- */
+
+/* Whether a loop has anything to do (under e->mu). */
+static int prefill_has_work(struct cm384_engine *e, peer *P) {
+    return e->sched->inbox_head || P->in_head || P->wait_head || P->n_run || P->ready_head;
+}
+static int decode_has_work(peer *D) { return D->in_head || D->n_run; }
+
+/* A peer's loop: rounds while it has work, asleep otherwise.  A round that
+ * could not move (the pool or the batch is full) waits for a request to
+ * finish.  Every loop stops once the engine is stopping and every request
+ * has had its final event. */
+static void peer_loop(struct cm384_engine *e, peer *P) {
+    sched *S = e->sched;
+    int stalled = 0;
+    pthread_mutex_lock(&e->mu);
+    for (;;) {
+        if (e->stopping)
+            for (int i = 0; i < S->n_live; i++) atomic_store(&S->live[i]->cancel, 1);
+        int work = P->lane == LANE_PREFILL ? prefill_has_work(e, P) : decode_has_work(P);
+        unsigned seen = P->wakes;
+        if (!work || stalled) {
+            if (P->lane == LANE_DECODE) {
+                atomic_store(&e->lanes->decode_busy, 0);
+                P->slo_last_end = 0;                 /* an idle gap is not a decode cycle */
+            }
+            if (!work && e->stopping && S->n_live == 0) break;
+            pthread_cond_wait(&P->cv, &e->mu);
+            stalled = 0;
+            continue;
+        }
+        if (P->lane == LANE_DECODE) atomic_store(&e->lanes->decode_busy, 1);
+        pthread_mutex_unlock(&e->mu);
+        pthread_mutex_lock(&P->step_mu);
+        int moved = P->lane == LANE_PREFILL ? prefill_round(e, P) : decode_round(e, P);
+        pthread_mutex_unlock(&P->step_mu);
+        pthread_mutex_lock(&e->mu);
+        stalled = !moved && P->wakes == seen;        /* nothing moved and nobody said why it might now */
+    }
+    if (P->lane == LANE_DECODE) atomic_store(&e->lanes->decode_busy, 0);
+    pthread_cond_broadcast(&e->peers[LANE_PREFILL + LANE_DECODE - P->lane].cv);   /* the other may exit too */
+    pthread_mutex_unlock(&e->mu);
+}
+
+/* The time-shared loop: a prefill step, then a decode step. */
+static void shared_loop(struct cm384_engine *e) {
+    sched *S = e->sched;
+    peer *P = &e->peers[LANE_PREFILL], *D = &e->peers[LANE_DECODE];
+    int stalled = 0;
+    pthread_mutex_lock(&e->mu);
+    for (;;) {
+        if (e->stopping)
+            for (int i = 0; i < S->n_live; i++) atomic_store(&S->live[i]->cancel, 1);
+        int work = prefill_has_work(e, P) || decode_has_work(D);
+        unsigned seen = P->wakes;
+        if (!work || stalled) {
+            if (!work && e->stopping && S->n_live == 0) break;
+            pthread_cond_wait(&P->cv, &e->mu);
+            stalled = 0;
+            continue;
+        }
+        pthread_mutex_unlock(&e->mu);
+        pthread_mutex_lock(&P->step_mu);
+        pthread_mutex_lock(&D->step_mu);
+        int moved = prefill_round(e, P);
+        moved |= decode_round(e, D);
+        pthread_mutex_unlock(&D->step_mu);
+        pthread_mutex_unlock(&P->step_mu);
+        pthread_mutex_lock(&e->mu);
+        stalled = !moved && P->wakes == seen;
+    }
+    pthread_mutex_unlock(&e->mu);
+}
+
+static void *prefill_main(void *arg) {
+    struct cm384_engine *e = arg;
+    if (e->time_shared) shared_loop(e);
+    else peer_loop(e, &e->peers[LANE_PREFILL]);
+    return NULL;
+}
+
+static void *decode_main(void *arg) {
+    struct cm384_engine *e = arg;
+    peer_loop(e, &e->peers[LANE_DECODE]);
     return NULL;
 }
 
@@ -8225,14 +9311,25 @@ static void *sched_main(void *arg) {
 /* 13. Observability: stats, report, trace                                  */
 /* ======================================================================== */
 
+/* Stops both peers between steps (prefill's lock first, as the time-shared
+ * loop takes them): what their steps write can then be read. */
+static void peers_pause(struct cm384_engine *e) {
+    pthread_mutex_lock(&e->peers[LANE_PREFILL].step_mu);
+    pthread_mutex_lock(&e->peers[LANE_DECODE].step_mu);
+}
+
+static void peers_resume(struct cm384_engine *e) {
+    pthread_mutex_unlock(&e->peers[LANE_DECODE].step_mu);
+    pthread_mutex_unlock(&e->peers[LANE_PREFILL].step_mu);
+}
+
 int cm384_get_stats(cm384_engine *e, cm384_stats *out) {
     if (!e || !out) return fail(CM384_E_INVALID, "cm384_get_stats: NULL argument");
     size_t sz = out->struct_size && out->struct_size < sizeof *out ? out->struct_size : sizeof *out;
     sched *S = e->sched;
     cm384_stats st;
-    /* a step writes the counters under step_mu, submit and finish under
-       e->mu: hold both, in the scheduler's order (step_mu, then e->mu) */
-    pthread_mutex_lock(&S->step_mu);
+    /* every counter in S->st is written under e->mu (the peers add theirs
+       with stat_add or under it) */
     pthread_mutex_lock(&e->mu);
     st = S->st;
     st.ttft_p50_ms = pct(S->ttft, S->n_ttft, 0.50);
@@ -8250,14 +9347,23 @@ int cm384_get_stats(cm384_engine *e, cm384_stats *out) {
     st.combine_bytes = atomic_load(&e->combine_bytes);
     st.combine_bytes_bf16 = atomic_load(&e->combine_bytes_bf16);
     st.messages = atomic_load(&e->n_messages);
-    st.kv_handoff_bytes = e->kv_handoff_bytes;
+    st.kv_handoff_bytes = atomic_load(&e->kv_handoff_bytes);
+    st.local_bytes = atomic_load(&e->local_bytes);
     st.pool_bytes = e->pool_bytes;
     st.kv_blocks_total = (uint64_t)e->kv.n_blocks;
-    /* block state belongs to the scheduler: still under step_mu */
+    pthread_mutex_lock(&e->pool_mu);
     st.kv_blocks_used = (uint64_t)(e->kv.n_blocks - e->n_free);
     st.kv_blocks_cached = (uint64_t)e->n_cached;
-    st.decode_batch_cap = S->decode_cap;
-    st.slo_infeasible = S->slo.infeasible;
+    st.cache_evictions = e->n_evictions;
+    pthread_mutex_unlock(&e->pool_mu);
+    for (int d = 0; d < e->n_dev; d++) {
+        st.n_caching_devices += (e->dev[d].roles & ROLE_CACHE) != 0;
+        st.n_idle_devices += e->dev[d].roles == 0;
+    }
+    peer *D = &e->peers[LANE_DECODE];
+    pthread_mutex_lock(&D->step_mu);                 /* decode's step writes the loads, SLO and EPLB */
+    st.decode_batch_cap = atomic_load(&D->decode_cap);
+    st.slo_infeasible = D->slo.infeasible;
     st.prefill_weight_bytes = e->weight_bytes[0];
     st.decode_weight_bytes = e->weight_bytes[1];
     /* decode rows on the routed-expert devices, layer by layer: a layer's
@@ -8277,7 +9383,7 @@ int cm384_get_stats(cm384_engine *e, cm384_stats *out) {
     st.eplb_load_after = e->eplb_after;
     st.eplb_moved_bytes = e->eplb_moved_bytes;
     st.n_redundant_experts = e->n_red;
-    pthread_mutex_unlock(&S->step_mu);
+    pthread_mutex_unlock(&D->step_mu);
     st.expert_load_max_over_mean = sum_mean > 0 ? sum_max / sum_mean : 0;
     st.n_devices = e->n_dev;
     st.n_workers = e->n_workers;
@@ -8296,19 +9402,35 @@ int cm384_get_stats(cm384_engine *e, cm384_stats *out) {
     return CM384_OK;
 }
 
+static int single_device_roles(unsigned roles) {
+    return roles == (ROLE_PREFILL | ROLE_ATTN | ROLE_EXPERT | ROLE_CACHE);
+}
+
 static const char *role_name(unsigned roles) {
     static const char *names[16] = {"idle", "prefill", "attention", "prefill+attention", "expert",
         "prefill+expert", "attention+expert", "all", "shared", "prefill+shared", "attention+shared",
         "prefill+attention+shared", "expert+shared", "prefill+expert+shared", "attention+expert+shared", "all"};
-    return names[roles & 15];
+    static const char *with_cache[16] = {"caching", "prefill+caching", "attention+caching",
+        "prefill+attention+caching", "expert+caching", "prefill+expert+caching", "attention+expert+caching",
+        "all+caching", "shared+caching", "prefill+shared+caching", "attention+shared+caching",
+        "prefill+attention+shared+caching", "expert+shared+caching", "prefill+expert+shared+caching",
+        "attention+expert+shared+caching", "all+caching"};
+    if (single_device_roles(roles)) return "all";
+    return (roles & ROLE_CACHE ? with_cache : names)[roles & 15];
+}
+
+int cm384_get_plane_traffic(cm384_engine *e, int plane, uint64_t *bytes, int cap) {
+    if (!e) return fail(CM384_E_INVALID, "cm384_get_plane_traffic: NULL engine");
+    if (plane < PLANE_UB || plane > PLANE_POOL) return fail(CM384_E_INVALID, "cm384_get_plane_traffic: no plane %d", plane);
+    size_t n = (size_t)e->n_dev * e->n_dev;
+    for (size_t i = 0; bytes && i < n && i < (size_t)(cap > 0 ? cap : 0); i++)
+        bytes[i] = atomic_load_explicit(&e->traffic[plane][i], memory_order_relaxed);
+    return e->n_dev;
 }
 
 int cm384_get_traffic(cm384_engine *e, uint64_t *bytes, int cap) {
     if (!e) return fail(CM384_E_INVALID, "cm384_get_traffic: NULL engine");
-    size_t n = (size_t)e->n_dev * e->n_dev;
-    for (size_t i = 0; bytes && i < n && i < (size_t)(cap > 0 ? cap : 0); i++)
-        bytes[i] = atomic_load_explicit(&e->traffic[i], memory_order_relaxed);
-    return e->n_dev;
+    return cm384_get_plane_traffic(e, PLANE_UB, bytes, cap);
 }
 
 int cm384_get_expert_load(cm384_engine *e, int layer, uint64_t *tokens, int cap) {
@@ -8316,36 +9438,36 @@ int cm384_get_expert_load(cm384_engine *e, int layer, uint64_t *tokens, int cap)
     const hparams *hp = &e->m->hp;
     int E = hp->n_routed, NL = hp->n_layers + hp->n_mtp;
     if (layer < -1 || layer >= NL) return fail(CM384_E_INVALID, "cm384_get_expert_load: no layer %d", layer);
-    pthread_mutex_lock(&e->sched->step_mu);
+    peers_pause(e);
     for (int x = 0; tokens && x < E && x < cap; x++) {
         uint64_t v = 0;
         for (int l = layer < 0 ? 0 : layer; l < (layer < 0 ? NL : layer + 1); l++)
             v += e->expert_load[(size_t)l * E + x] + e->expert_load[((size_t)NL + l) * E + x];   /* both phases */
         tokens[x] = v;
     }
-    pthread_mutex_unlock(&e->sched->step_mu);
+    peers_resume(e);
     return E;
 }
 
 int cm384_get_device_busy(cm384_engine *e, double *busy_ms, int cap) {
     if (!e) return fail(CM384_E_INVALID, "cm384_get_device_busy: NULL engine");
-    pthread_mutex_lock(&e->sched->step_mu);
+    peers_pause(e);
     for (int d = 0; busy_ms && d < e->n_dev && d < cap; d++) {
         uint64_t ns = 0;
-        for (int w = 0; w < e->n_workers; w++) ns += e->busy[(size_t)w * e->n_dev + d];
+        for (int w = 0; w <= e->n_workers; w++) ns += e->busy[(size_t)w * e->n_dev + d];
         busy_ms[d] = ns / 1e6;
     }
-    pthread_mutex_unlock(&e->sched->step_mu);
+    peers_resume(e);
     return e->n_dev;
 }
 
 int cm384_get_device_rows(cm384_engine *e, int phase, uint64_t *rows, int cap) {
     if (!e) return fail(CM384_E_INVALID, "cm384_get_device_rows: NULL engine");
     if (phase < -1 || phase > 1) return fail(CM384_E_INVALID, "cm384_get_device_rows: phase %d is not -1, 0 or 1", phase);
-    pthread_mutex_lock(&e->sched->step_mu);
+    peers_pause(e);
     for (int d = 0; rows && d < e->n_dev && d < cap; d++)
         rows[d] = phase < 0 ? e->dev_rows[d] + e->dev_rows[(size_t)e->n_dev + d] : e->dev_rows[(size_t)phase * e->n_dev + d];
-    pthread_mutex_unlock(&e->sched->step_mu);
+    peers_resume(e);
     return e->n_dev;
 }
 
@@ -8357,7 +9479,7 @@ const char *cm384_device_roles(cm384_engine *e, int device) {
 void cm384_reset_stats(cm384_engine *e) {
     if (!e) return;
     sched *S = e->sched;
-    pthread_mutex_lock(&S->step_mu);
+    peers_pause(e);
     pthread_mutex_lock(&e->mu);
     memset(&S->st, 0, sizeof S->st);
     S->n_ttft = S->n_tpot = 0;
@@ -8365,16 +9487,18 @@ void cm384_reset_stats(cm384_engine *e) {
     atomic_store(&e->dispatch_bytes, 0); atomic_store(&e->dispatch_bytes_bf16, 0);
     atomic_store(&e->combine_bytes, 0); atomic_store(&e->combine_bytes_bf16, 0);
     atomic_store(&e->n_messages, 0);
-    e->kv_handoff_bytes = 0;
-    for (size_t i = 0; i < (size_t)e->n_dev * e->n_dev; i++) { atomic_store(&e->traffic[i], 0); atomic_store(&e->msgs[i], 0); }
-    memset(e->busy, 0, (size_t)e->n_workers * e->n_dev * sizeof(uint64_t));
+    atomic_store(&e->kv_handoff_bytes, 0);
+    for (int p = 0; p < 3; p++)
+        for (size_t i = 0; i < (size_t)e->n_dev * e->n_dev; i++) atomic_store(&e->traffic[p][i], 0);
+    atomic_store(&e->local_bytes, 0);
+    memset(e->busy, 0, (size_t)(e->n_workers + 1) * e->n_dev * sizeof(uint64_t));
     memset(e->dev_rows, 0, 2 * (size_t)e->n_dev * sizeof(uint64_t));
     memset(e->dev_rows_layer, 0, (size_t)(e->m->hp.n_layers + e->m->hp.n_mtp) * e->n_dev * sizeof(uint64_t));
     e->weight_bytes[0] = e->weight_bytes[1] = 0;
     size_t n_load = (size_t)(e->m->hp.n_layers + e->m->hp.n_mtp) * (size_t)(e->m->hp.n_routed > 0 ? e->m->hp.n_routed : 1);
     memset(e->expert_load, 0, 2 * n_load * sizeof(uint64_t));
-    memset(S->load_mark, 0, n_load * sizeof(uint64_t));
-    pthread_mutex_unlock(&S->step_mu);
+    memset(e->peers[LANE_DECODE].load_mark, 0, n_load * sizeof(uint64_t));
+    peers_resume(e);
 }
 
 
@@ -8408,12 +9532,30 @@ int cm384_report(cm384_engine *e, char *buf, size_t cap) {
     st.struct_size = sizeof st;
     cm384_get_stats(e, &st);
     strbuf b = {0};
-    sb_printf(&b, "supernode: %d devices (%d prefill, %d decode-attention, %d expert), %d workers, preset %s\n",
-              st.n_devices, st.n_prefill_devices, st.n_attn_devices, st.n_expert_devices, st.n_workers, e->preset);
-    sb_printf(&b, "numerics: %s\n", e->cfg.int8 || e->cfg.int8_dispatch
-              ? (e->cfg.int8 && e->cfg.int8_dispatch ? "approximations on: INT8 W8A8 weights, INT8 dispatch"
-                 : e->cfg.int8 ? "approximations on: INT8 W8A8 weights" : "approximations on: INT8 dispatch")
-              : "exact (weights as stored, fp32 dispatch and combine: the reference's results)");
+    sb_printf(&b, "supernode: %d devices, preset %s, %d workers: %d prefill, %d decode-attention, %d expert, %d caching; "
+              "%d idle\n", st.n_devices, e->preset, st.n_workers, st.n_prefill_devices, st.n_attn_devices,
+              st.n_expert_devices, st.n_caching_devices, st.n_idle_devices);
+    {   /* why the devices are used as they are */
+        const hparams *hp = &e->m->hp;
+        int E = hp->n_routed;
+        if (!strcmp(e->preset, "single"))
+            sb_printf(&b, "  layout: one device does everything (the reference topology); the other %d are idle\n", e->n_dev - 1);
+        else if (!strcmp(e->preset, "paper"))
+            sb_printf(&b, "  layout: CloudMatrix-Infer's, scaled to this model's %d experts: decode EP%d/DP%d (%d routed + %d shared "
+                      "replicas + %d redundant, one per device, attention data-parallel over the same devices), prefill EP%d; "
+                      "at DeepSeek-V3 scale (256 experts, top-8) it is the paper's EP320 decode and a 32-device prefill "
+                      "instance%s\n", E, e->n_attn, e->n_attn, E, e->place[PHASE_DECODE].n_shared, e->n_red, e->n_pre,
+                      E == 256 ? " -- as here" : "");
+        else
+            sb_printf(&b, "  layout: fastest on this host: %d prefill and %d attention devices (one per worker), %d expert "
+                      "devices (%s); %d idle devices have nothing to hold\n", e->n_pre, e->n_attn, st.n_expert_devices,
+                      st.n_expert_devices == E ? "one per routed expert: this model has no more to spread" : "experts shared out",
+                      st.n_idle_devices);
+    }
+    sb_printf(&b, "numerics: %s%s%s%s\n", e->cfg.int8 || e->cfg.int8_dispatch || e->bf16_combine ? "approximations on:" :
+              "exact (weights as stored, fp32 dispatch and combine: the reference's results)",
+              e->cfg.int8 ? " INT8 W8A8 weights" : "", e->cfg.int8_dispatch ? " INT8 dispatch" : "",
+              e->bf16_combine ? " BF16 combine" : "");
     sb_printf(&b, "requests: %llu done, %llu cancelled, %llu failed, %llu preempted\n",
               (unsigned long long)st.requests_done, (unsigned long long)st.requests_cancelled,
               (unsigned long long)st.requests_failed, (unsigned long long)st.requests_preempted);
@@ -8431,31 +9573,53 @@ int cm384_report(cm384_engine *e, char *buf, size_t cap) {
     if (e->cfg.tpot_target_ms > 0)
         sb_printf(&b, "SLO: TPOT target %.2f ms, decode batch %d%s\n", e->cfg.tpot_target_ms, st.decode_batch_cap,
                   st.slo_infeasible ? " (infeasible: one request alone misses the target)" : "");
-    sb_printf(&b, "fabric: dispatch %.2f MB (bf16 would be %.2f MB, %s), combine %.2f MB (bf16 %.2f MB), "
-              "KV hand-off %.2f MB, %llu messages\n",
-              mb_of(st.dispatch_bytes), mb_of(st.dispatch_bytes_bf16), e->cfg.int8_dispatch ? "INT8" : "fp32",
-              mb_of(st.combine_bytes), mb_of(st.combine_bytes_bf16), mb_of(st.kv_handoff_bytes),
-              (unsigned long long)st.messages);
+    sb_printf(&b, "fabric, UB plane: dispatch %.2f MB (%s; bf16 would be %.2f MB), combine %.2f MB (%s; bf16 %.2f MB), "
+              "%llu messages; %.2f MB written by devices to themselves (local, not fabric)\n",
+              mb_of(st.dispatch_bytes), e->cfg.int8_dispatch ? "INT8" : "fp32", mb_of(st.dispatch_bytes_bf16),
+              mb_of(st.combine_bytes), e->bf16_combine ? "BF16" : "fp32", mb_of(st.combine_bytes_bf16),
+              (unsigned long long)st.messages, mb_of(st.local_bytes));
+    sb_printf(&b, "fabric, RDMA plane: KV hand-off prefill -> decode %.2f MB", mb_of(st.kv_handoff_bytes));
+    sb_puts(&b, " (the blocks change owner in the shared pool)\n");
     if (e->trace) {
-        pthread_mutex_lock(&e->sched->step_mu);        /* the trace belongs to the step */
+        pthread_mutex_lock(&e->trace_mu);
         uint64_t written = e->trace_written + (uint64_t)e->n_tev, lost = e->trace_lost;
-        pthread_mutex_unlock(&e->sched->step_mu);
+        pthread_mutex_unlock(&e->trace_mu);
         sb_printf(&b, "trace: %llu events so far, %llu lost (the file refused them)\n",
                   (unsigned long long)written, (unsigned long long)lost);
     }
     sb_printf(&b, "pool: %.1f MB, KV blocks %llu used / %llu (%llu cached)\n", mb_of(st.pool_bytes),
               (unsigned long long)st.kv_blocks_used, (unsigned long long)st.kv_blocks_total,
               (unsigned long long)st.kv_blocks_cached);
-    /* traffic by role pair */
+    sb_printf(&b, "context cache (blocks looked up): %llu found in memory (shared in place), %llu loaded from disk "
+              "(%.2f MB), %llu computed; %llu evicted; %llu saved to disk (%.2f MB), %llu files not trusted%s%s\n",
+              (unsigned long long)st.cache_hits_pool, (unsigned long long)st.cache_hits_disk, mb_of(st.cache_bytes_loaded),
+              (unsigned long long)st.cache_misses, (unsigned long long)st.cache_evictions,
+              (unsigned long long)st.cache_blocks_saved, mb_of(st.cache_bytes_saved),
+              (unsigned long long)st.cache_files_ignored, e->cache_dir ? "; disk tier " : "", e->cache_dir ? e->cache_dir : "");
+    sb_printf(&b, "peers: %s; %llu prefill steps, %llu decode steps, %llu decode steps ran inside prefill steps\n",
+              e->time_shared ? "one time-shared loop" : "prefill and decode loops side by side, decode first",
+              (unsigned long long)st.prefill_steps, (unsigned long long)st.decode_steps,
+              (unsigned long long)st.decode_steps_in_prefill);
+    /* traffic by role pair, per plane */
     {
-        uint64_t by[16][16] = {{0}};
-        for (int s = 0; s < e->n_dev; s++)
-            for (int d = 0; d < e->n_dev; d++)
-                by[e->dev[s].roles & 15][e->dev[d].roles & 15] += atomic_load(&e->traffic[(size_t)s * e->n_dev + d]);
-        sb_puts(&b, "traffic matrix by role (MB, rows send, columns receive):\n");
-        for (int s = 0; s < 16; s++)
-            for (int d = 0; d < 16; d++)
-                if (by[s][d]) sb_printf(&b, "  %-24s -> %-24s %10.2f\n", role_name((unsigned)s), role_name((unsigned)d), mb_of(by[s][d]));
+        static const char *plane_name[3] = {"UB", "RDMA", "memory pool"};
+        uint64_t (*by)[32] = CM384_CALLOC(32 * 32, sizeof(uint64_t));
+        for (int p = 0; by && p < 3; p++) {
+            memset(by, 0, 32 * 32 * sizeof(uint64_t));
+            uint64_t any = 0;
+            for (int s = 0; s < e->n_dev; s++)
+                for (int d = 0; d < e->n_dev; d++) {
+                    uint64_t v = atomic_load_explicit(&e->traffic[p][(size_t)s * e->n_dev + d], memory_order_relaxed);
+                    by[e->dev[s].roles & 31][e->dev[d].roles & 31] += v;
+                    any += v;
+                }
+            if (!any) continue;
+            sb_printf(&b, "traffic on the %s plane by role (MB, rows send, columns receive):\n", plane_name[p]);
+            for (int s = 0; s < 32; s++)
+                for (int d = 0; d < 32; d++)
+                    if (by[s][d]) sb_printf(&b, "  %-24s -> %-24s %10.2f\n", role_name((unsigned)s), role_name((unsigned)d), mb_of(by[s][d]));
+        }
+        CM384_FREE(by);
     }
     /* expert devices */
     sb_printf(&b, "expert load: max/mean decode rows over routed-expert devices %.2f\n", st.expert_load_max_over_mean);
@@ -8488,7 +9652,7 @@ int cm384_report(cm384_engine *e, char *buf, size_t cap) {
     {
         uint64_t *busy = CM384_CALLOC((size_t)e->n_dev, sizeof(uint64_t));
         if (busy) {
-            for (int w = 0; w < e->n_workers; w++)
+            for (int w = 0; w <= e->n_workers; w++)
                 for (int d = 0; d < e->n_dev; d++) busy[d] += e->busy[(size_t)w * e->n_dev + d];
             sb_printf(&b, "busiest devices (busy ms):\n");
             unsigned char *shown = CM384_CALLOC((size_t)e->n_dev, 1);
@@ -8528,7 +9692,11 @@ static void trace_flush(struct cm384_engine *e) {
         const trace_event *ev = &e->tev[i];
         if (ev->t1 < ev->t0 || ev->t0 == UINT64_MAX) continue;     /* a group that ran no task */
         int ok = 1;
-        if (!e->trace_named[ev->device]) {
+        if (!e->trace_named[ev->device] && ev->device >= e->n_dev) {     /* a peer's own track */
+            e->trace_named[ev->device] = 1;
+            ok = fprintf(f, ",\n{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":0,\"tid\":%d,\"args\":{\"name\":\"%s loop\"}}",
+                         ev->device, ev->device - e->n_dev == LANE_DECODE ? "decode" : "prefill") >= 0;
+        } else if (!e->trace_named[ev->device]) {
             e->trace_named[ev->device] = 1;
             ok = fprintf(f, ",\n{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":0,\"tid\":%d,\"args\":{\"name\":\"device %d (%s)\"}}",
                          ev->device, ev->device, role_name(e->dev[ev->device].roles)) >= 0;
@@ -8569,36 +9737,59 @@ void cm384_request_init(cm384_request *r) {
 
 void cm384_engine_free(cm384_engine *e) {
     if (!e) return;
-    if (e->thread_started) {
+    if (e->peers) {
         pthread_mutex_lock(&e->mu);
         e->stopping = 1;
-        pthread_cond_broadcast(&e->cv_work);
+        for (int L = 0; L < N_LANES; L++) pthread_cond_broadcast(&e->peers[L].cv);
         pthread_mutex_unlock(&e->mu);
-        pthread_join(e->thread, NULL);
+        for (int L = 0; L < N_LANES; L++) if (e->peers[L].started) pthread_join(e->peers[L].thread, NULL);
     }
+    if (e->cacher) {
+        if (e->cacher->started) {
+            pthread_mutex_lock(&e->mu);
+            pthread_cond_signal(&e->cacher->cv);
+            pthread_mutex_unlock(&e->mu);
+            pthread_join(e->cacher->thread, NULL);
+        }
+        pthread_cond_destroy(&e->cacher->cv);
+        CM384_FREE(e->cacher->jobs);
+        CM384_FREE(e->cacher->buf);
+        CM384_FREE(e->cacher);
+    }
+    CM384_FREE(e->cache_dir);
+    CM384_FREE(e->disk_keys.k);
     trace_close(e);
     gl_pool_free(e->pool_threads);
+    lane_pool_free(e->lanes);
     sched *S = e->sched;
     if (S) {
         for (int i = 0; i < S->n_live; i++) request_free(S->live[i]);
         CM384_FREE(S->live);
         CM384_FREE(S->done);
-        CM384_FREE(S->run);
-        CM384_FREE(S->load_mark);
-        pthread_mutex_destroy(&S->step_mu);
         CM384_FREE(S);
     }
+    for (int L = 0; e->peers && L < N_LANES; L++) {
+        peer *P = &e->peers[L];
+        CM384_FREE(P->run);
+        CM384_FREE(P->load_mark);
+        CM384_FREE(P->rg.g);
+        pthread_mutex_destroy(&P->step_mu);
+        pthread_cond_destroy(&P->cv);
+    }
+    CM384_FREE(e->peers);
     pl_free(&e->place[0]);
     pl_free(&e->place[1]);
     CM384_FREE(e->dev); CM384_FREE(e->pre_devs); CM384_FREE(e->attn_devs); CM384_FREE(e->red_devs);
     CM384_FREE(e->exp_devs);
     CM384_FREE(e->eplb_ld); CM384_FREE(e->eplb_items); CM384_FREE(e->eplb_used); CM384_FREE(e->eplb_old);
     CM384_FREE(e->pool);
-    CM384_FREE(e->traffic); CM384_FREE(e->msgs); CM384_FREE(e->busy);
-    CM384_FREE(e->expert_load); CM384_FREE(e->dev_rows); CM384_FREE(e->dev_rows_layer); CM384_FREE(e->tev); CM384_FREE(e->trace_named);
-    CM384_FREE(e->rg.g);
+    for (int p = 0; p < 3; p++) CM384_FREE(e->traffic[p]);
+    CM384_FREE(e->busy);
+    CM384_FREE(e->expert_load); CM384_FREE(e->dev_rows); CM384_FREE(e->dev_rows_layer);
+    CM384_FREE(e->tev); CM384_FREE(e->trace_named);
     pthread_mutex_destroy(&e->mu);
-    pthread_cond_destroy(&e->cv_work);
+    pthread_mutex_destroy(&e->pool_mu);
+    pthread_mutex_destroy(&e->trace_mu);
     pthread_cond_destroy(&e->cv_done);
     CM384_FREE(e);
 }
@@ -8623,6 +9814,8 @@ static int config_resolve(cm384_config *c, const hparams *hp, const char *preset
     RANGE(microbatches, 0, 2);
     RANGE(mtp, 0, 1);
     RANGE(eplb_period, -1, 1000000);
+    RANGE(bf16_combine, -1, 1);
+    RANGE(time_shared, 0, 1);
 #undef RANGE
     if (!(c->tpot_target_ms >= 0) || isinf(c->tpot_target_ms))
         return fail(CM384_E_INVALID, "config.tpot_target_ms = %g is not a finite value >= 0", c->tpot_target_ms);
@@ -8639,38 +9832,45 @@ static int config_resolve(cm384_config *c, const hparams *hp, const char *preset
     return CM384_OK;
 }
 
+/* A peer's working memory: scratch for two microbatches, logits, the
+ * sampling candidates and the step's row arrays. */
+static void carve_peer(struct cm384_engine *e, peer *P, carver *c, int n_entries) {
+    const hparams *hp = &e->m->hp;
+    int V = hp->vocab, cap = P->step_cap, W = e->n_workers + 1;          /* + the prefill loop's thread */
+    int max_groups = e->n_dev < cap ? e->n_dev : cap;
+    int n_jobs = 3 * max_groups + 2 * n_entries + 8;
+    for (int i = 0; i < 2; i++) scratch_carve(c, &P->s[i], hp, cap, e->kv.block_tokens, W, n_entries, n_jobs);
+    P->logits = carve(c, (size_t)P->rows_cap * V * sizeof(float));
+    P->cands = carve(c, (size_t)W * V * sizeof(cand));
+    for (int i = 0; i < 2; i++) {
+        P->mba[i].tok = carve(c, (size_t)cap * sizeof(int32_t));
+        P->mba[i].pos = carve(c, (size_t)cap * sizeof(int));
+        P->mba[i].tables = carve(c, (size_t)cap * sizeof(int *));
+        P->mba[i].want = carve(c, (size_t)cap);
+        P->mba[i].groups = carve(c, ((size_t)max_groups + 1) * sizeof(dev_group));
+    }
+    P->dev_of = carve(c, (size_t)cap * sizeof(int));
+    if (e->mtp) {
+        P->hbuf = carve(c, (size_t)cap * hp->dim * sizeof(float));
+        P->mtp_h = carve(c, (size_t)cap * hp->dim * sizeof(float));
+        P->mtp_req = carve(c, (size_t)cap * sizeof(request *));
+        P->mtp_want_row = carve(c, (size_t)cap * sizeof(int));
+    }
+    P->rg.cap = 2 * (2 * n_entries + 4 * max_groups) + P->rows_cap + 64;
+}
+
 /* Lays out the whole pool (twice: once to size it, once to carve it). */
 static void carve_pool(struct cm384_engine *e, carver *c) {
     const hparams *hp = &e->m->hp;
-    sched *S = e->sched;
-    int B = e->kv.block_tokens, NB = e->kv.n_blocks, V = hp->vocab;
-    int max_groups = e->n_dev < e->step_cap ? e->n_dev : e->step_cap;
+    int B = e->kv.block_tokens, NB = e->kv.n_blocks;
     int n_entries = e->place[0].n_entries > e->place[1].n_entries ? e->place[0].n_entries : e->place[1].n_entries;
-    int n_jobs = 3 * max_groups + 2 * n_entries + 8;
     e->kv.data = carve(c, (size_t)NB * e->kv.block_floats * sizeof(float));
     e->bm = carve(c, (size_t)NB * sizeof(block_meta));
     int32_t *toks = carve(c, (size_t)NB * B * sizeof(int32_t));
     e->free_blocks = carve(c, (size_t)NB * sizeof(int));
     e->index = carve(c, (size_t)e->index_cap * sizeof(int));
-    for (int i = 0; i < 2; i++)
-        scratch_carve(c, &e->s[i], hp, e->step_cap, e->kv.block_tokens, e->n_workers, n_entries, n_jobs);
-    S->logits = carve(c, (size_t)S->rows_cap * V * sizeof(float));
-    S->cands = carve(c, (size_t)e->n_workers * V * sizeof(cand));
-    for (int i = 0; i < 2; i++) {
-        S->mba[i].tok = carve(c, (size_t)e->step_cap * sizeof(int32_t));
-        S->mba[i].pos = carve(c, (size_t)e->step_cap * sizeof(int));
-        S->mba[i].tables = carve(c, (size_t)e->step_cap * sizeof(int *));
-        S->mba[i].want = carve(c, (size_t)e->step_cap);
-        S->mba[i].groups = carve(c, ((size_t)max_groups + 1) * sizeof(dev_group));
-    }
-    S->dev_of = carve(c, (size_t)e->step_cap * sizeof(int));
-    if (e->mtp) {
-        S->hbuf = carve(c, (size_t)e->step_cap * hp->dim * sizeof(float));
-        S->mtp_h = carve(c, (size_t)e->step_cap * hp->dim * sizeof(float));
-        S->mtp_req = carve(c, (size_t)e->step_cap * sizeof(request *));
-        S->mtp_want_row = carve(c, (size_t)e->step_cap * sizeof(int));
-        e->blk_h = carve(c, (size_t)NB * hp->dim * sizeof(float));
-    }
+    for (int L = 0; L < N_LANES; L++) carve_peer(e, &e->peers[L], c, n_entries);
+    if (e->mtp) e->blk_h = carve(c, (size_t)NB * hp->dim * sizeof(float));
     if (c->base) {
         for (int b = 0; b < NB; b++) {
             e->bm[b] = (block_meta){0, 0, 0, 0, 0, -1, -1, -1, toks + (size_t)b * B};
@@ -8679,7 +9879,6 @@ static void carve_pool(struct cm384_engine *e, carver *c) {
         e->n_free = NB;
         for (int i = 0; i < e->index_cap; i++) e->index[i] = -1;
     }
-    e->rg.cap = 2 * (2 * n_entries + 4 * max_groups) + S->rows_cap + 64;
 }
 
 /* "12.3 MB", "31.4 GB" (decimal units, as disks and model cards count). */
@@ -8703,8 +9902,9 @@ static void memory_estimate(struct cm384_engine *e, int tracing) {
     uint64_t kept = m->weight_bytes > m->q8_replaced ? m->weight_bytes - m->q8_replaced : 0;   /* embedding, routers */
     uint64_t w_int8 = kept + m->q8_bytes + own;
     uint64_t kv = (uint64_t)e->kv.n_blocks * e->kv.block_floats * sizeof(float);
-    uint64_t counters = 2 * nd * nd * sizeof(uint64_t) + (uint64_t)e->n_workers * nd * sizeof(double) +
-                        2 * NL * E * sizeof(uint64_t) + nd * sizeof(uint64_t) + (uint64_t)e->rg.cap * sizeof(rg_group) +
+    uint64_t counters = 3 * nd * nd * sizeof(uint64_t) + (uint64_t)e->n_workers * nd * sizeof(double) +
+                        2 * NL * E * sizeof(uint64_t) + (2 + NL) * nd * sizeof(uint64_t) +
+                        (uint64_t)(e->peers[0].rg.cap + e->peers[1].rg.cap) * sizeof(rg_group) +
                         (tracing ? (uint64_t)TRACE_BUF_EVENTS * sizeof(trace_event) : 0);
     uint64_t scratch = (uint64_t)e->pool_bytes - kv + counters;
     uint64_t w = e->cfg.int8 ? w_int8 : w_stored;
@@ -8749,32 +9949,62 @@ int cm384_engine_create(const cm384_model *m, const cm384_config *cfg, cm384_eng
     e->cfg = c;
     e->cfg.preset = NULL;
     e->cfg.trace_path = NULL;
+    e->cfg.cache_dir = NULL;
     snprintf(e->preset, sizeof e->preset, "%s", preset);
     pthread_mutex_init(&e->mu, NULL);
-    pthread_cond_init(&e->cv_work, NULL);
+    pthread_mutex_init(&e->pool_mu, NULL);
+    pthread_mutex_init(&e->trace_mu, NULL);
     pthread_cond_init(&e->cv_done, NULL);
     e->k = kset;
     e->cfg.kernels = NULL;
     e->core_slack = CORE_SLACK;
     e->n_workers = c.n_workers;
     e->max_ctx = c.max_ctx;
-    e->step_cap = c.prefill_chunk > 2 * c.max_batch ? c.prefill_chunk : 2 * c.max_batch;
     e->sched = CM384_CALLOC(1, sizeof(sched));
-    e->pool_threads = gl_pool_create(c.n_workers);
-    if (!e->sched || !e->pool_threads) r = fail(CM384_E_NOMEM, "cannot start %d worker threads", c.n_workers);
+    e->peers = CM384_CALLOC(N_LANES, sizeof(peer));
+    if (!e->sched || !e->peers) r = fail(CM384_E_NOMEM, "out of memory");
+    for (int L = 0; e->peers && L < N_LANES; L++) {
+        peer *P = &e->peers[L];
+        pthread_mutex_init(&P->step_mu, NULL);
+        pthread_cond_init(&P->cv, NULL);
+        P->lane = L;
+        P->phase = L == LANE_DECODE ? PHASE_DECODE : PHASE_PREFILL;
+        P->rg.lane = L;
+        P->rg.caller = L == LANE_DECODE ? 0 : c.n_workers;
+        P->rg.e = e;
+        /* decode: a row per request and one per draft; prefill: a chunk */
+        P->step_cap = L == LANE_DECODE ? 2 * c.max_batch : c.prefill_chunk > 2 * c.max_batch ? c.prefill_chunk : 2 * c.max_batch;
+    }
     if (!r) r = build_topology(e);
     e->pinned = e->n_workers == e->n_dev && e->n_dev > 1;
+    e->time_shared = c.time_shared > 0 || e->pinned;        /* one thread per device: one loop */
+    if (e->peers) e->peers[LANE_PREFILL].rg.small_tasks = !e->time_shared;
+    if (!r) {
+        if (e->pinned) e->pool_threads = gl_pool_create(c.n_workers);
+        else e->lanes = lane_pool_create(c.n_workers);
+        if (!e->pool_threads && !e->lanes) r = fail(CM384_E_NOMEM, "cannot start %d worker threads", c.n_workers);
+    }
+    e->bf16_combine = c.bf16_combine > 0 || (c.bf16_combine == 0 && !strcmp(e->preset, "paper"));
     e->fuse_groups = strcmp(e->preset, "paper") != 0 && !e->pinned;
-    if (!r && c.int8) r = model_make_q8((cm384_model *)m, e->pool_threads, NULL, NULL);
+    if (!r && c.int8) {
+        gl_pool *qp = e->pool_threads ? e->pool_threads : gl_pool_create(c.n_workers);
+        const char *cd = cfg && cfg->struct_size > offsetof(cm384_config, cache_dir) ? cfg->cache_dir : NULL;
+        if (cd && mkdir(cd, 0777) && errno != EEXIST) cd = NULL;
+        r = qp ? model_make_q8((cm384_model *)m, qp, NULL, NULL, cd, e) : fail(CM384_E_NOMEM, "cannot start %d worker threads", c.n_workers);
+        if (qp != e->pool_threads) gl_pool_free(qp);
+    }
     sched *S = e->sched;
     if (!r) {
-        pthread_mutex_init(&S->step_mu, NULL);
-        S->max_run = c.max_batch;
-        S->decode_cap = c.max_batch;
-        if (c.tpot_target_ms > 0) { slo_init(&S->slo, c.tpot_target_ms, c.max_batch); S->decode_cap = S->slo.cap; }
+        S->max_batch = c.max_batch;
+        e->peers[LANE_DECODE].decode_cap = c.max_batch;
+        if (c.tpot_target_ms > 0) {
+            slo_init(&e->peers[LANE_DECODE].slo, c.tpot_target_ms, c.max_batch);
+            e->peers[LANE_DECODE].decode_cap = e->peers[LANE_DECODE].slo.cap;
+        }
         e->mtp = c.mtp && hp->n_mtp > 0;
         int rows = (e->mtp ? 2 : 1) * c.max_batch + 16;       /* a draft adds a row */
-        S->rows_cap = rows < e->step_cap ? rows : e->step_cap;
+        for (int L = 0; L < N_LANES; L++)
+            e->peers[L].rows_cap = rows < e->peers[L].step_cap ? rows : e->peers[L].step_cap;
         kv_pool *kv = &e->kv;
         kv->block_tokens = c.kv_block_tokens;
         kv->n_layers = hp->n_layers + hp->n_mtp;
@@ -8799,6 +10029,8 @@ int cm384_engine_create(const cm384_model *m, const cm384_config *cfg, cm384_eng
                             : c.cache_bytes == 0 ? kv->n_blocks / 2 : (int)(c.cache_bytes / block_bytes);
         e->lru_head = e->lru_tail = -1;
     }
+    if (!r && cfg && cfg->struct_size > offsetof(cm384_config, cache_dir) && cfg->cache_dir && e->cache_blocks_max > 0)
+        r = cache_dir_open(e, cfg->cache_dir);
     if (!r) {
         carver cv = {NULL, 0};
         carve_pool(e, &cv);
@@ -8813,32 +10045,44 @@ int cm384_engine_create(const cm384_model *m, const cm384_config *cfg, cm384_eng
     }
     if (!r) {
         size_t nd = (size_t)e->n_dev, NL = (size_t)(hp->n_layers + hp->n_mtp), E = (size_t)(hp->n_routed > 0 ? hp->n_routed : 1);
-        e->traffic = CM384_CALLOC(nd * nd, sizeof *e->traffic);
-        e->msgs = CM384_CALLOC(nd * nd, sizeof *e->msgs);
-        e->busy = CM384_CALLOC((size_t)e->n_workers * nd, sizeof *e->busy);
+        for (int p = 0; p < 3; p++) e->traffic[p] = CM384_CALLOC(nd * nd, sizeof *e->traffic[p]);
+        e->busy = CM384_CALLOC((size_t)(e->n_workers + 1) * nd, sizeof *e->busy);
         e->expert_load = CM384_CALLOC(2 * NL * E, sizeof *e->expert_load);     /* per phase */
-        S->load_mark = CM384_CALLOC(NL * E, sizeof *S->load_mark);
         e->dev_rows = CM384_CALLOC(2 * nd, sizeof *e->dev_rows);
         e->dev_rows_layer = CM384_CALLOC(NL * nd, sizeof *e->dev_rows_layer);
-        e->rg.g = CM384_CALLOC((size_t)e->rg.cap, sizeof(rg_group));
-        e->rg.e = e;
-        S->run = CM384_CALLOC((size_t)c.max_batch, sizeof *S->run);
-        if (!e->traffic || !e->msgs || !e->busy || !e->expert_load || !S->load_mark || !e->dev_rows || !e->dev_rows_layer || !e->rg.g || !S->run)
+        for (int L = 0; L < N_LANES; L++) {
+            peer *P = &e->peers[L];
+            P->rg.g = CM384_CALLOC((size_t)P->rg.cap, sizeof(rg_group));
+            P->run = CM384_CALLOC((size_t)c.max_batch, sizeof *P->run);
+            if (!P->rg.g || !P->run) r = fail(CM384_E_NOMEM, "out of memory for the peers");
+        }
+        e->peers[LANE_DECODE].load_mark = CM384_CALLOC(NL * E, sizeof(uint64_t));
+        if (!e->traffic[0] || !e->traffic[1] || !e->traffic[2] || !e->busy || !e->expert_load ||
+            !e->peers[LANE_DECODE].load_mark || !e->dev_rows || !e->dev_rows_layer)
             r = fail(CM384_E_NOMEM, "out of memory for counters");
     }
     if (!r && cfg && cfg->struct_size > offsetof(cm384_config, trace_path) && cfg->trace_path) {
         e->trace = fopen(cfg->trace_path, "w");
         e->cap_tev = TRACE_BUF_EVENTS;
         e->tev = CM384_MALLOC((size_t)e->cap_tev * sizeof(trace_event));
-        e->trace_named = CM384_CALLOC((size_t)e->n_dev, 1);
+        e->trace_named = CM384_CALLOC((size_t)e->n_dev + N_LANES, 1);
         if (!e->trace) r = fail(CM384_E_IO, "%s: cannot open the trace file: %s", cfg->trace_path, strerror(errno));
         else if (!e->tev || !e->trace_named) r = fail(CM384_E_NOMEM, "out of memory for the trace");
         else trace_open(e);
         e->t_origin = now_ns();
     }
     if (!r) {
-        if (pthread_create(&e->thread, NULL, sched_main, e) != 0) r = fail(CM384_E_NOMEM, "cannot start the scheduler thread");
-        else e->thread_started = 1;
+        peer *P = &e->peers[LANE_PREFILL], *D = &e->peers[LANE_DECODE];
+        if (e->cacher) {
+            if (pthread_create(&e->cacher->thread, NULL, cache_main, e) != 0) r = fail(CM384_E_NOMEM, "cannot start the caching loop");
+            else e->cacher->started = 1;
+        }
+        if (!r && pthread_create(&P->thread, NULL, prefill_main, e) != 0) r = fail(CM384_E_NOMEM, "cannot start the prefill loop");
+        else P->started = 1;
+        if (!r && !e->time_shared) {
+            if (pthread_create(&D->thread, NULL, decode_main, e) != 0) r = fail(CM384_E_NOMEM, "cannot start the decode loop");
+            else D->started = 1;
+        }
     }
     if (r) { cm384_engine_free(e); return r; }
     engine_log(e, 1, "supernode: %d devices (%d prefill, %d decode-attention), preset %s, %d workers, "
@@ -8967,7 +10211,7 @@ int cm384_submit(cm384_engine *e, const cm384_request *req, uint64_t *id_out) {
     S->inbox_tail = r;
     S->st.requests_submitted++;
     if (id_out) *id_out = r->id;
-    pthread_cond_signal(&e->cv_work);
+    wake_peer(e, LANE_PREFILL);
     pthread_mutex_unlock(&e->mu);
     return CM384_OK;
 }
@@ -8980,7 +10224,8 @@ int cm384_cancel(cm384_engine *e, uint64_t id) {
     for (int i = 0; i < S->n_live; i++)
         if (S->live[i]->id == id) {
             atomic_store(&S->live[i]->cancel, 1);
-            pthread_cond_signal(&e->cv_work);
+            wake_peer(e, LANE_PREFILL);
+            wake_peer(e, LANE_DECODE);
             found = 1;
             break;
         }
@@ -9112,44 +10357,48 @@ int cm384_eval(cm384_engine *e, const int32_t *ids, int n, float *logits, float 
         if (ids[i] < 0 || ids[i] >= hp->vocab)
             return fail(CM384_E_INVALID, "cm384_eval: token %d at position %d is outside [0, %d)", ids[i], i, hp->vocab);
     if (mtp_logits && !hp->n_mtp) return fail(CM384_E_UNSUPPORTED, "cm384_eval: the model has no MTP layer");
-    sched *S = e->sched;
+    peer *P = &e->peers[LANE_PREFILL];
     int B = e->kv.block_tokens, nb = (n + B) / B;
     int *blocks = CM384_MALLOC((size_t)nb * sizeof(int));
     float *h = CM384_MALLOC((size_t)n * hp->dim * sizeof(float));
     if (!blocks || !h) { CM384_FREE(blocks); CM384_FREE(h); return fail(CM384_E_NOMEM, "out of memory"); }
-    pthread_mutex_lock(&S->step_mu);
+    pthread_mutex_lock(&P->step_mu);
     int r = CM384_OK, got = 0;
+    pthread_mutex_lock(&e->pool_mu);
     for (; got < nb; got++) if ((blocks[got] = block_get(e)) < 0) break;
+    pthread_mutex_unlock(&e->pool_mu);
     if (got < nb) r = fail(CM384_E_CAPACITY, "cm384_eval: the KV pool has no room for %d tokens now", n);
-    mb_arrays *a = &S->mba[0];
+    mb_arrays *a = &P->mba[0];
     int dev = e->pre_devs[0];
-    for (int c0 = 0; !r && c0 < n; c0 += e->step_cap) {
+    for (int c0 = 0; !r && c0 < n; c0 += P->step_cap) {
         microbatch mb = {0};
-        mb.n = n - c0 < e->step_cap ? n - c0 : e->step_cap;
-        for (int t = 0; t < mb.n; t++) { a->pos[t] = c0 + t; a->tables[t] = blocks; S->dev_of[t] = dev; }
+        mb.n = n - c0 < P->step_cap ? n - c0 : P->step_cap;
+        for (int t = 0; t < mb.n; t++) { a->pos[t] = c0 + t; a->tables[t] = blocks; P->dev_of[t] = dev; }
         mb.tok = ids + c0; mb.pos = a->pos; mb.tables = a->tables;
-        mb.phase = PHASE_PREFILL; mb.s = &e->s[0];
+        mb.phase = PHASE_PREFILL; mb.s = &P->s[0];
         mb.logits = logits + (size_t)c0 * hp->vocab;
         mb.h_out = h + (size_t)c0 * hp->dim;
-        mb_make_groups(&mb, a->groups, S->dev_of);
-        forward_main(e, &mb, 1);
+        mb_make_groups(&mb, a->groups, P->dev_of);
+        forward_main(e, &P->rg, &mb, 1);
     }
-    for (int c0 = 0; !r && mtp_logits && c0 < n - 1; c0 += e->step_cap) {
+    for (int c0 = 0; !r && mtp_logits && c0 < n - 1; c0 += P->step_cap) {
         microbatch mb = {0};
-        mb.n = n - 1 - c0 < e->step_cap ? n - 1 - c0 : e->step_cap;
-        for (int t = 0; t < mb.n; t++) { a->pos[t] = c0 + t; a->tables[t] = blocks; S->dev_of[t] = dev; }
+        mb.n = n - 1 - c0 < P->step_cap ? n - 1 - c0 : P->step_cap;
+        for (int t = 0; t < mb.n; t++) { a->pos[t] = c0 + t; a->tables[t] = blocks; P->dev_of[t] = dev; }
         mb.tok = ids + c0 + 1; mb.pos = a->pos; mb.tables = a->tables; mb.kv_shift = 1;
-        mb.phase = PHASE_PREFILL; mb.s = &e->s[0];
+        mb.phase = PHASE_PREFILL; mb.s = &P->s[0];
         mb.logits = mtp_logits + (size_t)c0 * hp->vocab;
-        mb_make_groups(&mb, a->groups, S->dev_of);
-        forward_mtp(e, &mb, h + (size_t)c0 * hp->dim);
+        mb_make_groups(&mb, a->groups, P->dev_of);
+        forward_mtp(e, &P->rg, &mb, h + (size_t)c0 * hp->dim);
     }
-    if (e->rg.broken) {
-        r = fail(CM384_E_INTERNAL, "cm384_eval: internal error: %s", e->rg.broken);
-        e->rg.broken = NULL;
+    if (P->rg.broken) {
+        r = fail(CM384_E_INTERNAL, "cm384_eval: internal error: %s", P->rg.broken);
+        P->rg.broken = NULL;
     }
+    pthread_mutex_lock(&e->pool_mu);
     for (int i = 0; i < got; i++) block_unref(e, blocks[i]);
-    pthread_mutex_unlock(&S->step_mu);
+    pthread_mutex_unlock(&e->pool_mu);
+    pthread_mutex_unlock(&P->step_mu);
     CM384_FREE(blocks);
     CM384_FREE(h);
     return r;

@@ -45,11 +45,14 @@
  *     cm384_generate() may be called from any thread at the same time.
  *     cm384_eval() and cm384_engine_free() must not run concurrently with any
  *     other call on the same engine.
- *   - The engine owns its worker threads and its scheduler thread; both are
- *     joined by cm384_engine_free().  Request callbacks run on the engine's
- *     scheduler thread, except in cm384_generate(), which delivers every event
- *     on the calling thread.  A callback must not call cm384_engine_free() or
- *     cm384_wait(); it may call cm384_submit() and cm384_cancel().
+ *   - The engine owns its threads: the workers, and the loops of its peer
+ *     subsystems (prefill, decode, and with cache_dir the caching loop); all
+ *     are joined by cm384_engine_free().  Request callbacks run on a loop's
+ *     thread -- the first token on prefill's, the rest on decode's, never two
+ *     at once for one request -- except in cm384_generate(), which delivers
+ *     every event on the calling thread.  A callback must not call
+ *     cm384_engine_free() or cm384_wait(); it may call cm384_submit() and
+ *     cm384_cancel().
  *   - Memory passed in (prompts, ids, configs) is copied before the call
  *     returns.  Memory passed out in events is valid only during the callback.
  *   - The library never prints, never calls exit() or abort() on bad input and
@@ -162,6 +165,11 @@ typedef struct cm384_load_opts {
                                          load's time) for engines with int8 = 1;
                                          0 (default): the first such engine makes
                                          them, without progress                  */
+    const char       *cache_dir;      /* with int8: the model cache's folder -- the
+                                         INT8 weights are mapped from it when it
+                                         holds them for this model, else made and
+                                         saved there (as cm384_config.cache_dir
+                                         does for an engine).  NULL: none        */
 } cm384_load_opts;
 
 CM384_API void cm384_load_opts_init(cm384_load_opts *o);
@@ -386,8 +394,8 @@ typedef struct cm384_config {
     cm384_log_fn log;              /* topology and memory estimate at creation (a
                                       warning when it exceeds physical memory),
                                       preemptions, expert re-placement (level 1
-                                      info, 2 warning); called
-                                      on the creating or scheduler thread.
+                                      info, 2 warning); called on the creating
+                                      thread or one of the engine's loops.
                                       NULL = silent                                  */
     void        *log_user;
     /* appended fields */
@@ -402,6 +410,24 @@ typedef struct cm384_config {
                                       vdpbf16ps) -- an approximation, up to ~2^-9
                                       relative per product.  CM384_E_INVALID if
                                       this CPU cannot run the set                    */
+    int          bf16_combine;     /* expert outputs travel back to the source in
+                                      BF16 (as CloudMatrix-Infer's FusedCombine
+                                      does): half the combine bytes, outputs
+                                      rounded to 8 bits of mantissa.  0 (default):
+                                      on in the paper preset, off otherwise (exact);
+                                      1: on; -1: off                                 */
+    int          time_shared;      /* 1: one loop runs a prefill step, then a decode
+                                      step, in turn (the scheduler before the peers,
+                                      kept to compare against).  0 (default):
+                                      prefill and decode run as peers, each its own
+                                      loop, decode first in the worker pool.  One
+                                      thread per device always uses one loop         */
+    const char  *cache_dir;        /* a folder for the context cache's disk tier
+                                      (made if missing): blocks the cache indexes
+                                      are written there by the caching loop and
+                                      found again by later engines and processes on
+                                      the same model and numerics.  NULL (default):
+                                      memory only                                    */
 } cm384_config;
 
 CM384_API void cm384_config_init(cm384_config *c);
@@ -538,9 +564,9 @@ typedef struct cm384_stats {
     double   prefill_tok_per_s, decode_tok_per_s;   /* over busy time            */
     double   prefill_seconds, decode_seconds;
     /* fabric */
-    uint64_t dispatch_bytes, combine_bytes;         /* what crossed the fabric     */
+    uint64_t dispatch_bytes, combine_bytes;         /* written across the UB plane  */
     uint64_t dispatch_bytes_bf16, combine_bytes_bf16; /* what bf16 would have sent */
-    uint64_t kv_handoff_bytes;        /* prefill -> decode KV ownership moves       */
+    uint64_t kv_handoff_bytes;        /* prefill -> decode KV (RDMA plane)          */
     uint64_t messages;
     /* pool */
     uint64_t pool_bytes, kv_blocks_total, kv_blocks_used, kv_blocks_cached;
@@ -581,6 +607,21 @@ typedef struct cm384_stats {
        distinct expert it routes to once): with the machine's read bandwidth,
        the ceiling a phase's speed is held to */
     uint64_t prefill_weight_bytes, decode_weight_bytes;
+    /* the fabric, the peers, the caching subsystem */
+    uint64_t local_bytes;             /* dispatch/combine rows a device wrote to
+                                         itself: local memory, not fabric         */
+    uint64_t prefill_steps, decode_steps;
+    uint64_t decode_steps_in_prefill; /* decode steps that ran while a prefill
+                                         step was computing (0 when time-shared) */
+    /* the context cache by tier, in blocks looked up at admission */
+    uint64_t cache_hits_pool;         /* found in memory (shared in place)        */
+    uint64_t cache_hits_disk;         /* loaded from cache_dir                    */
+    uint64_t cache_misses;            /* in neither: computed                     */
+    uint64_t cache_bytes_loaded;      /* disk -> KV blocks                        */
+    uint64_t cache_bytes_saved;       /* KV blocks -> disk                        */
+    uint64_t cache_blocks_saved;
+    uint64_t cache_files_ignored;     /* damaged or foreign files not trusted     */
+    int      n_caching_devices, n_idle_devices;
 } cm384_stats;
 
 CM384_API int  cm384_get_stats(cm384_engine *e, cm384_stats *out);
@@ -590,10 +631,17 @@ CM384_API void cm384_reset_stats(cm384_engine *e);
  * table) into buf (snprintf convention). */
 CM384_API int  cm384_report(cm384_engine *e, char *buf, size_t cap);
 
-/* The fabric's traffic matrix: bytes[src * n + dst] is what device src sent
- * device dst (dispatch, combine, KV hand-off).  Writes at most cap entries;
- * returns n, the number of devices. */
+/* The fabric's traffic matrix on the UB plane: bytes[src * n + dst] is what
+ * device src wrote into device dst's buffers (dispatch and combine
+ * messages; a device writing to itself is not counted).  Writes at most cap
+ * entries; returns n, the number of devices. */
 CM384_API int  cm384_get_traffic(cm384_engine *e, uint64_t *bytes, int cap);
+
+/* The same for any of the three planes: CM384_PLANE_UB (dispatch, combine),
+ * CM384_PLANE_RDMA (the prefill -> decode KV hand-off) and CM384_PLANE_POOL
+ * (context-cache loads and saves between devices and the caching devices). */
+enum { CM384_PLANE_UB = 0, CM384_PLANE_RDMA = 1, CM384_PLANE_POOL = 2 };
+CM384_API int  cm384_get_plane_traffic(cm384_engine *e, int plane, uint64_t *bytes, int cap);
 
 /* Tokens routed to each routed expert of a layer (layer -1: summed over all
  * layers).  Writes at most cap entries; returns the number of experts. */

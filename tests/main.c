@@ -22,6 +22,7 @@
 #include "test_fuzzfix.c"
 #include "test_gguf.c"
 #include "test_project.c"
+#include "test_peers.c"
 
 static const struct {
     const char *name;
@@ -42,6 +43,7 @@ static const struct {
     {"fuzzfix", test_main_fuzzfix},
     {"gguf", test_main_gguf},
     {"project", test_main_project},
+    {"peers", test_main_peers},
 };
 
 int main(int argc, char **argv) {

@@ -267,9 +267,15 @@ static void observability(cm384_model *m) {
     uint64_t *tr = calloc((size_t)n * n, sizeof *tr), sum = 0;
     CHECK(cm384_get_traffic(e, tr, n * n) == 24, "traffic matrix size %d", n);
     for (int i = 0; i < n * n; i++) sum += tr[i];
-    CHECK(sum == st.dispatch_bytes + st.combine_bytes + st.kv_handoff_bytes,
-          "traffic matrix sums to %llu, stats say %llu", (unsigned long long)sum,
-          (unsigned long long)(st.dispatch_bytes + st.combine_bytes + st.kv_handoff_bytes));
+    CHECK(sum == st.dispatch_bytes + st.combine_bytes,
+          "UB traffic matrix sums to %llu, stats say %llu", (unsigned long long)sum,
+          (unsigned long long)(st.dispatch_bytes + st.combine_bytes));
+    uint64_t rdma = 0;
+    CHECK(cm384_get_plane_traffic(e, CM384_PLANE_RDMA, tr, n * n) == 24, "RDMA plane size");
+    for (int i = 0; i < n * n; i++) rdma += tr[i];
+    CHECK(rdma == st.kv_handoff_bytes && rdma > 0, "RDMA plane sums to %llu, KV hand-off %llu", (unsigned long long)rdma,
+          (unsigned long long)st.kv_handoff_bytes);
+    CHECK(cm384_get_plane_traffic(e, 3, tr, n * n) == CM384_E_INVALID, "a bad plane");
     uint64_t load[16], total = 0;
     int E = cm384_get_expert_load(e, -1, load, 16);
     for (int x = 0; x < E; x++) total += load[x];

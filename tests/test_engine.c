@@ -80,6 +80,7 @@ static cm384_engine *engine(cm384_model *m, const char *preset, int workers, int
     cm384_config c;
     cm384_config_init(&c);
     c.preset = preset; c.n_workers = workers; c.microbatches = mbs; c.int8_dispatch = int8; c.mtp = with_mtp;
+    c.bf16_combine = -1;            /* exact numerics on every topology, the paper preset too */
     if (devices) c.n_devices = devices;
     c.max_ctx = m->hp.max_pos < 512 ? m->hp.max_pos : 512;
     cm384_engine *e = NULL;

@@ -60,6 +60,7 @@ static void check_topology(cm384_model *m, const char *preset, int microbatches,
     c.preset = preset;
     c.n_workers = 2;
     c.int8_dispatch = 0;
+    c.bf16_combine = -1;        /* the paper preset combines in BF16 unless told not to */
     c.microbatches = microbatches;
     c.kv_block_tokens = kv_block;
     cm384_engine *e;
@@ -168,10 +169,12 @@ static void check_topology(cm384_model *m, const char *preset, int microbatches,
         int n = load_ids(json_get(sq, "tokens"), ids, 256);
         float *full = malloc(sizeof(float) * n * V), *inc = malloc(sizeof(float) * n * V);
         cm384_eval(e, ids, n, full, NULL);
-        sched *S = e->sched;
-        pthread_mutex_lock(&S->step_mu);
+        peer *S = &e->peers[LANE_PREFILL];             /* its working memory, with both peers paused */
+        peers_pause(e);
         int B = e->kv.block_tokens, nb = (n + B) / B, blocks[64];
+        pthread_mutex_lock(&e->pool_mu);
         for (int b = 0; b < nb; b++) blocks[b] = block_get(e);
+        pthread_mutex_unlock(&e->pool_mu);
         /* a 100-token prefill, then one token at a time on a decode device */
         int p0 = 100;
         for (int p = 0; p < n;) {
@@ -180,13 +183,15 @@ static void check_topology(cm384_model *m, const char *preset, int microbatches,
             mb_arrays *a = &S->mba[0];
             for (int t = 0; t < cnt; t++) { a->pos[t] = p + t; a->tables[t] = blocks; S->dev_of[t] = p ? e->attn_devs[0] : e->pre_devs[0]; }
             mb.n = cnt; mb.tok = ids + p; mb.pos = a->pos; mb.tables = a->tables;
-            mb.phase = p ? PHASE_DECODE : PHASE_PREFILL; mb.s = &e->s[0]; mb.logits = inc + (size_t)p * V;
+            mb.phase = p ? PHASE_DECODE : PHASE_PREFILL; mb.s = &S->s[0]; mb.logits = inc + (size_t)p * V;
             mb_make_groups(&mb, a->groups, S->dev_of);
-            forward_main(e, &mb, 1);
+            forward_main(e, &S->rg, &mb, 1);
             p += cnt;
         }
+        pthread_mutex_lock(&e->pool_mu);
         for (int b = 0; b < nb; b++) block_unref(e, blocks[b]);
-        pthread_mutex_unlock(&S->step_mu);
+        pthread_mutex_unlock(&e->pool_mu);
+        peers_resume(e);
         double mx = 0;
         for (size_t k = 0; k < (size_t)n * V; k++) { double d = fabs(full[k] - inc[k]); if (d > mx) mx = d; }
         printf("  incremental decode vs full forward (%d tokens): max |diff| %.2e\n", n, mx);

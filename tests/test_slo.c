@@ -118,13 +118,14 @@ static void slo_engine(void) {
     cm384_config c;
     cm384_config_init(&c);
     c.n_workers = 2; c.max_batch = 48; c.max_ctx = 256; c.tpot_target_ms = 10.0;
+    c.time_shared = 1;     /* the virtual clock charges prefill inside the decode cycle, as one loop does */
     cm384_engine *e;
     if (cm384_engine_create(m, &c, &e)) { CHECK(0, "%s", cm384_last_error()); cm384_model_free(m); return; }
     slo_clock k = {{1.5, 0.40, 1.0, 0.0, 0.05, 4242}, 0, 0, 0, {0}};
-    pthread_mutex_lock(&e->sched->step_mu);            /* set before the scheduler runs a step */
+    peers_pause(e);            /* set before the scheduler runs a step */
     e->dbg_cycle_ms = slo_virtual_cycle;
     e->dbg_cycle_user = &k;
-    pthread_mutex_unlock(&e->sched->step_mu);
+    peers_resume(e);
     cm384_sampling s;
     cm384_sampling_init(&s);
     s.max_tokens = 150; s.ignore_eos = 1;

@@ -454,10 +454,13 @@ static void tr_internal(cm384_model *m) {
     int r = cm384_generate(e, NULL, ids, 6, &s, tr_collect, &good);
     CHECK(r == CM384_OK, "reference run: %d", r);
 
-    pthread_mutex_lock(&e->sched->step_mu);
-    int cap = e->rg.cap;
-    e->rg.cap = 1;                           /* as if the regions had been sized too small */
-    pthread_mutex_unlock(&e->sched->step_mu);
+    peers_pause(e);
+    int cap[N_LANES];
+    for (int L = 0; L < N_LANES; L++) {
+        cap[L] = e->peers[L].rg.cap;
+        e->peers[L].rg.cap = 1;              /* as if the regions had been sized too small */
+    }
+    peers_resume(e);
     tr_text bad = {0};
     r = cm384_generate(e, NULL, ids, 6, &s, tr_collect, &bad);
     printf("  regions sized too small: status %d, final event %d, %d tokens delivered\n", r, bad.final_kind, bad.n_ids);
@@ -471,9 +474,9 @@ static void tr_internal(cm384_model *m) {
     cm384_get_stats(e, &st);
     CHECK(st.requests_failed == 1, "requests_failed = %llu", (unsigned long long)st.requests_failed);
 
-    pthread_mutex_lock(&e->sched->step_mu);
-    e->rg.cap = cap;
-    pthread_mutex_unlock(&e->sched->step_mu);
+    peers_pause(e);
+    for (int L = 0; L < N_LANES; L++) e->peers[L].rg.cap = cap[L];
+    peers_resume(e);
     tr_text again = {0};
     r = cm384_generate(e, NULL, ids, 6, &s, tr_collect, &again);
     CHECK(r == CM384_OK && again.n_ids == good.n_ids && !memcmp(again.ids, good.ids, sizeof(int32_t) * good.n_ids),
