@@ -10205,6 +10205,15 @@ int cm384_submit(cm384_engine *e, const cm384_request *req, uint64_t *id_out) {
         S->live = l;
         S->cap_live = cap;
     }
+    if (S->n_done + S->n_live + 1 > S->cap_done && S->cap_done < 1 << 16) {
+        /* room in the done list for every live request: a request that ends
+           (on the decode path) never allocates */
+        int cap = S->cap_done ? 2 * S->cap_done : 256;
+        done_rec *d = realloc(S->done, (size_t)cap * sizeof *d);
+        if (!d) { pthread_mutex_unlock(&e->mu); request_free(r); return fail(CM384_E_NOMEM, "out of memory"); }
+        S->done = d;
+        S->cap_done = cap;
+    }
     r->id = ++S->next_id;
     S->live[S->n_live++] = r;
     if (S->inbox_tail) S->inbox_tail->next = r; else S->inbox_head = r;
