@@ -7903,24 +7903,28 @@ void cm384_sampling_init(cm384_sampling *s) {
  *     t = a + b*batch + c*batch*context/1000 + d*prefill_tokens/1000
  * fitted by least squares with forgetting (recent steps count most), and a
  * p99 factor from the ratio of measured to predicted times over the last
- * SLO_RING steps.  A step that emits 1.7 tokens per request (MTP) counts as
+ * SLO_RING steps (per window of cycles: a request's TPOT is its mean).  A step that emits 1.7 tokens per request (MTP) counts as
  * 1.7 tokens, as the paper's TPOT does.  It never extrapolates far: the cap
- * grows at most a quarter (or one) past the largest batch it has measured.  When even one
+ * grows an eighth (or one) past the largest batch it has measured, and only
+ * after measuring that batch for SLO_SETTLE cycles.  When even one
  * request cannot meet the target, the target is infeasible and is reported
  * as such (stats, log), not silently missed. */
 
 #define SLO_NF   4          /* model features                               */
 #define SLO_RING 128        /* recent steps for the p99 factor              */
+#define SLO_SETTLE 8        /* cycles at the largest batch before growing   */
 
 typedef struct slo_ctl {
     double target_ms;
     double A[SLO_NF][SLO_NF], y[SLO_NF];    /* normal equations, with forgetting */
     double theta[SLO_NF];
     double ratio[SLO_RING];                 /* measured / predicted             */
-    int    n_ratio, n_obs, max_seen;
+    int    n_ratio, n_obs, max_seen, n_at_max;  /* cycles measured at max_seen */
     double tok_per_step;                    /* per request, EMA (1 without MTP) */
     double prefill_rate;                    /* EMA of prefill tokens per cycle  */
+    double prefill_fixed, prefill_per_req;  /* the next cycles' prefill: slo_choose */
     int    cap, infeasible;
+    double p99f;                            /* slo_p99_factor_compute, per cycle */
 } slo_ctl;
 
 static void slo_init(slo_ctl *c, double target_ms, int max_batch) {
@@ -7989,25 +7993,38 @@ static void slo_solve(slo_ctl *c) {
     }
 }
 
-/* The p99 factor: the 99th percentile of measured/predicted (at least 1). */
-static double slo_p99_factor(const slo_ctl *c) {
+/* The p99 factor.  A request's TPOT is its mean time per token over its
+ * whole run, so one slow cycle (the OS took the core away) is diluted over
+ * its tokens: the factor is the 99th percentile, over the recent windows of
+ * SLO_WINDOW consecutive cycles, of the window's mean measured/predicted
+ * ratio (at least 1). */
+#define SLO_WINDOW 32
+static double slo_p99_factor_compute(const slo_ctl *c) {
     int n = c->n_ratio < SLO_RING ? c->n_ratio : SLO_RING;
     if (n == 0) return 1;
-    double tmp[SLO_RING];
-    memcpy(tmp, c->ratio, (size_t)n * sizeof(double));
-    for (int i = 1; i < n; i++) {
-        double v = tmp[i]; int j = i;
-        while (j > 0 && tmp[j - 1] > v) { tmp[j] = tmp[j - 1]; j--; }
-        tmp[j] = v;
+    int w = n < SLO_WINDOW ? n : SLO_WINDOW, nw = n - w + 1;
+    double means[SLO_RING], sum = 0;
+    int first = c->n_ratio < SLO_RING ? 0 : c->n_ratio % SLO_RING;     /* the oldest ratio */
+    for (int i = 0; i < n; i++) {
+        sum += c->ratio[(first + i) % SLO_RING];
+        if (i >= w) sum -= c->ratio[(first + i - w) % SLO_RING];
+        if (i >= w - 1) means[i - w + 1] = sum / w;
     }
-    int k = (int)ceil(0.99 * n) - 1;
-    double f = tmp[k < 0 ? 0 : k];
+    for (int i = 1; i < nw; i++) {
+        double v = means[i]; int j = i;
+        while (j > 0 && means[j - 1] > v) { means[j] = means[j - 1]; j--; }
+        means[j] = v;
+    }
+    int k = (int)ceil(0.99 * nw) - 1;
+    double f = means[k < 0 ? 0 : k];
     return f > 1 ? f : 1;
 }
 
+static double slo_p99_factor(const slo_ctl *c) { return c->p99f > 1 ? c->p99f : 1; }
+
 /* Predicted p99 time per output token at this batch size and context. */
 static double slo_tpot_p99(const slo_ctl *c, int batch, double ctx_mean) {
-    double t = slo_predict(c, batch, ctx_mean, c->prefill_rate);
+    double t = slo_predict(c, batch, ctx_mean, c->prefill_fixed + batch * c->prefill_per_req);
     return t * slo_p99_factor(c) / c->tok_per_step;
 }
 
@@ -8030,23 +8047,36 @@ static void slo_observe(slo_ctl *c, int batch, double ctx_mean, double prefill_t
     }
     c->n_obs++;
     slo_solve(c);
+    c->p99f = slo_p99_factor_compute(c);
     double a = c->n_obs == 1 ? 1 : 0.1;
     c->prefill_rate += a * (prefill_tokens - c->prefill_rate);
     c->tok_per_step += a * (tok_per_req - c->tok_per_step);
-    if (batch > c->max_seen) c->max_seen = batch;
+    if (batch > c->max_seen) { c->max_seen = batch; c->n_at_max = 0; }
+    if (batch == c->max_seen) c->n_at_max++;
 }
 
 /* The cap for the next step, whose requests have mean context ctx_next: the
  * largest batch predicted to hold the target, within reach of what was
- * measured. */
-static int slo_choose(slo_ctl *c, double ctx_next, int max_batch) {
+ * measured.  The cycles to come will carry prefill_fixed + batch x
+ * prefill_per_req prefill tokens: a running batch of b requests that each
+ * bring P prompt tokens for L generated ones makes room for b/L new
+ * requests a cycle, b P/L prompt tokens (when they share the cores). */
+static int slo_choose(slo_ctl *c, double ctx_next, double prefill_fixed, double prefill_per_req, int max_batch) {
+    c->prefill_fixed = prefill_fixed;
+    c->prefill_per_req = prefill_per_req;
     if (c->n_obs == 0) return c->cap;
-    int reach = c->max_seen + (c->max_seen >= 8 ? c->max_seen / 4 : 1);
+    /* explore one step past the largest batch measured, and only once that
+       batch has been measured for SLO_SETTLE cycles */
+    int reach = c->max_seen + (c->n_at_max >= SLO_SETTLE ? 1 + c->max_seen / 8 : 0);
+    if (reach < 1) reach = 1;
     if (reach > max_batch) reach = max_batch;
     int best = 0;
     for (int b = 1; b <= reach; b++)
         if (slo_tpot_p99(c, b, ctx_next) <= c->target_ms) best = b;
-    c->infeasible = best == 0 && c->n_obs >= 8;
+    /* infeasible: one request alone, with no prefill beside it, misses the
+       target -- not a busy moment that a smaller batch would ride out */
+    double alone = slo_predict(c, 1, ctx_next, 0) * slo_p99_factor(c) / c->tok_per_step;
+    c->infeasible = c->n_obs >= 16 && alone > c->target_ms;
     c->cap = best > 0 ? best : 1;
     return c->cap;
 }
@@ -8177,6 +8207,7 @@ typedef struct peer {
     slo_ctl         slo;           /* with tpot_target_ms                          */
     double          slo_last_end;  /* end of the last decode step, 0 after idling  */
     uint64_t        slo_last_prefilled;   /* tokens_prefilled then                 */
+    int             slo_warned;    /* the infeasible target was logged             */
     uint64_t       *load_mark;     /* decode expert load at the last rebalance     */
     int             steps_since_rebalance;
 } peer;
@@ -8863,16 +8894,32 @@ static double slo_final_ctx(const struct cm384_engine *e, const request *r) {
  * Decode computes it after each step; prefill admits within it. */
 static int slo_admit_cap(struct cm384_engine *e, peer *D) {
     if (!(e->cfg.tpot_target_ms > 0)) return e->sched->max_batch;
-    double ctx = 0;
+    double ctx = 0, per_req = 0;            /* per_req: prompt tokens to compute per generated token */
     int n = 0;
-    for (int i = 0; i < D->n_run; i++) { ctx += slo_final_ctx(e, D->run[i]); n++; }
+    for (int i = -1; i < D->n_run; i++) {   /* the running requests, and the next one to admit */
+        double final_ctx, fresh, gen;
+        if (i >= 0) {
+            const request *r = D->run[i];
+            final_ctx = slo_final_ctx(e, r); fresh = r->n_prompt - r->n_cached; gen = r->samp.max_tokens;
+        } else {
+            pthread_mutex_lock(&e->mu);                 /* prefill's queue */
+            const request *w = e->peers[LANE_PREFILL].wait_head;
+            if (w) { final_ctx = slo_final_ctx(e, w); fresh = w->n_prompt - w->n_cached; gen = w->samp.max_tokens; }
+            pthread_mutex_unlock(&e->mu);
+            if (!w) continue;
+        }
+        ctx += final_ctx;
+        per_req += fresh / (gen > 0 ? gen : 1);
+        n++;
+    }
     if (!n) return atomic_load(&D->decode_cap);
-    int was = D->slo.infeasible;
-    int cap = slo_choose(&D->slo, ctx / n, e->sched->max_batch);
+    int cap = slo_choose(&D->slo, ctx / n, 0, per_req / n, e->sched->max_batch);
     atomic_store(&D->decode_cap, cap);              /* prefill admits within it */
-    if (D->slo.infeasible && !was)
+    if (D->slo.infeasible && !D->slo_warned) {       /* said once, and in the stats and report */
+        D->slo_warned = 1;
         engine_log(e, 2, "SLO: a TPOT of %.2f ms is infeasible here: one request alone is predicted at %.2f ms (p99)",
-                   e->cfg.tpot_target_ms, slo_tpot_p99(&D->slo, 1, ctx / n));
+                   e->cfg.tpot_target_ms, slo_predict(&D->slo, 1, ctx / n, 0) * slo_p99_factor(&D->slo) / D->slo.tok_per_step);
+    }
     return cap;
 }
 
@@ -8892,23 +8939,6 @@ static void slo_after_step(struct cm384_engine *e, peer *D, request **rq, int nr
     if (cycle > 0) slo_observe(&D->slo, nr, ctx, prefill, cycle, (double)emitted / nr);
     D->slo_last_end = t;
     D->slo_last_prefilled = prefilled;
-}
-
-/* The SLO's safety valve: when the requests decoding now are predicted to
- * miss the target at the contexts they have reached (the controller learnt
- * something new, say what context costs), the most recently admitted go
- * back to the queue -- recomputed later, the same tokens -- until the rest
- * hold it.  Admission plans at the contexts requests will end with, so an
- * evicted request is not taken back until the batch can carry it. */
-static void slo_evict(struct cm384_engine *e, peer *D) {
-    if (!(e->cfg.tpot_target_ms > 0) || D->slo.n_obs < 8) return;
-    for (;;) {
-        int n = D->n_run;
-        double ctx = 0;
-        for (int i = 0; i < n; i++) ctx += D->run[i]->n_tokens;
-        if (n <= 1 || slo_tpot_p99(&D->slo, n, ctx / n) <= e->cfg.tpot_target_ms) return;
-        preempt(e, D, D->run[n - 1], "SLO: the decode batch would miss its TPOT target");
-    }
 }
 
 /* After every decode step, with what it measured: the SLO controller
@@ -8949,7 +8979,6 @@ static int decode_round(struct cm384_engine *e, peer *D) {
     }
     request *rq[4096];
     int cnt[4096], first[4096], nr = 0, rows = 0;
-    slo_evict(e, D);
     for (int i = 0; i < D->n_run && rows + 2 <= D->rows_cap && nr < 4096; i++) {
         request *r = D->run[i];
         /* with a draft: rows for the last token and the draft, if both fit */

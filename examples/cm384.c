@@ -34,13 +34,14 @@ void cm384_cli_project_usage(FILE *f);
 
 typedef struct opts {
     const char *cmd;                          /* the command's name           */
-    const char *model, *prompt, *system, *trace, *preset, *kernels;
+    const char *model, *prompt, *system, *trace, *preset, *kernels, *slo, *cache_dir;
     const char *args[4];                      /* positional arguments         */
     int         n_args;
     int         n_tokens, n_prompt, threads, devices, max_ctx, top, microbatches;
-    int         requests, concurrency, tenants, top_k;
+    int         requests, concurrency, tenants, top_k, eplb_period, arrivals, arrival_count;
+    int         bf16_combine, time_shared;
     int         report, json, int8, int8_dispatch, mtp, bos, quiet, verbose, check_values, progress, no_warmup;
-    double      temperature, top_p, min_p, shared_prefix;
+    double      temperature, top_p, min_p, shared_prefix, tpot_target;
     unsigned long long seed;
     const char *out, *type;                   /* convert                      */
 } opts;
@@ -89,20 +90,29 @@ static const option options[] = {
     {"--int8", C_ENGINE, O_FLAG, F(int8), 0, 0, 1, NULL, "INT8 W8A8 weights, made while loading"},
     {"--int8-dispatch", C_ENGINE, O_FLAG, F(int8_dispatch), 0, 0, 1, NULL, "dispatch tokens to experts in INT8 (an approximation; the paper preset's default)"},
     {"--no-int8-dispatch", C_ENGINE, O_FLAG, F(int8_dispatch), 0, 0, 0, NULL, "dispatch tokens to experts in fp32 (exact; the default)"},
+    {"--bf16-combine", C_ENGINE, O_FLAG, F(bf16_combine), 0, 0, 1, NULL, "expert outputs return in BF16 (an approximation; the paper preset's default)"},
+    {"--no-bf16-combine", C_ENGINE, O_FLAG, F(bf16_combine), 0, 0, -1, NULL, "expert outputs return in fp32 (exact; the default)"},
+    {"--time-shared", C_ENGINE, O_FLAG, F(time_shared), 0, 0, 1, NULL, "one loop runs a prefill step then a decode step, in turn (default: prefill and decode run as peers)"},
+    {"--cache-dir", C_ENGINE, O_STR, F(cache_dir), 0, 0, 0, "DIR", "the context cache's disk tier: KV blocks kept in DIR across runs"},
     {"--mtp", C_ENGINE, O_FLAG, F(mtp), 0, 0, 1, NULL, "speculative decoding with the MTP layer"},
     {"--kernels", C_ENGINE, O_STR, F(kernels), 0, 0, 0, "NAME", "kernel set (default: the best exact one for this CPU; avx512_bf16: native BF16 dot products, approximate)"},
     {"--no-warmup", C_BENCH, O_FLAG, F(no_warmup), 0, 0, 1, NULL, "time from a cold start (default: one untimed request of the same length first, as llama-bench warms up)"},
     {"--trace", C_ENGINE, O_STR, F(trace), 0, 0, 0, "FILE", "write a Chrome trace (open in Perfetto)"},
+    {"--tpot-target", C_ENGINE, O_FLOAT, F(tpot_target), 0, 1e6, 0, "MS", "SLO: the largest decode batch whose p99 time per output token stays under MS (0: none)"},
+    {"--eplb-period", C_ENGINE, O_INT, F(eplb_period), -1, 1000000, 0, "N", "decode steps between EPLB re-placements (default 32; -1: never)"},
     {"-v", C_ENGINE, O_FLAG, F(verbose), 0, 0, 1, NULL, "print the engine's log (topology, memory, preemptions)"},
     {"--report", C_RUN | C_BENCH, O_FLAG, F(report), 0, 0, 1, NULL, "print the supernode report"},
     {"--top", C_EVAL, O_INT, F(top), 1, 1000, 0, "N", "tokens shown per position (default 5)"},
     {"--bos", C_TOKENIZE, O_FLAG, F(bos), 0, 0, 1, NULL, "prepend BOS"},
     {"--quiet", C_TOKENIZE, O_FLAG, F(quiet), 0, 0, 1, NULL, "print only the ids"},
-    {"--requests", C_BENCH, O_INT, F(requests), 1, 1000000, 0, "N", "requests (default 16)"},
+    {"--requests", C_BENCH, O_INT, F(requests), 0, 1000000, 0, "N", "requests (default 16; 0 with --arrivals: prefill alone)"},
     {"--concurrency", C_BENCH, O_INT, F(concurrency), 1, 100000, 0, "C", "requests in flight (default 16)"},
     {"--shared-prefix", C_BENCH, O_FLOAT, F(shared_prefix), 0, 1, 0, "F", "fraction of each prompt shared per tenant (default 0)"},
     {"--tenants", C_BENCH, O_INT, F(tenants), 1, 100000, 0, "T", "context-cache tenants (default 1)"},
+    {"--arrivals", C_BENCH, O_INT, F(arrivals), 0, 1 << 20, 0, "P", "prompts of P tokens keep arriving (one in flight, 1 token out each) while the requests decode"},
+    {"--arrival-count", C_BENCH, O_INT, F(arrival_count), 1, 1000000, 0, "N", "stop the arrivals after N (default: when the requests end; 4 with --requests 0)"},
     {"--json", C_BENCH, O_FLAG, F(json), 0, 0, 1, NULL, "one JSON line instead of the report"},
+    {"--slo", C_BENCH, O_STR, F(slo), 0, 0, 0, "MS,MS,...", "run the workload under each TPOT target (and with MTP when the model has it): the batch chosen, TPOT, tok/s"},
 };
 #undef F
 #define N_OPTIONS (int)(sizeof options / sizeof options[0])
@@ -162,6 +172,7 @@ static const command commands[] = {
      "examples:\n"
      "  cm384 bench -m DIR -p 512 -n 128 -t 2 --int8 --json\n"
      "  cm384 bench -m DIR --requests 64 --concurrency 16 --shared-prefix 0.5 --tenants 2 --preset paper\n"
+     "  cm384 bench -m DIR --requests 96 --concurrency 64 -p 256 -n 64 --slo 5,10,20   (Table 4's shape)\n"
      "`cm384 bench --ablate` switches each mechanism off in turn (cm384 bench --ablate --help).\n"},
     {"info", C_INFO, cmd_info, 0, 0, "", "print the model's shapes and sizes",
      "Loads the model and prints its type, shapes, parameter counts and sizes.\n"
@@ -382,6 +393,11 @@ static int make_engine(const opts *o, cm384_model *m, cm384_engine **e) {
     c.mtp = o->mtp;
     c.trace_path = o->trace;
     c.kernels = o->kernels;
+    c.tpot_target_ms = o->tpot_target;
+    c.eplb_period = o->eplb_period;
+    c.bf16_combine = o->bf16_combine;
+    c.time_shared = o->time_shared;
+    c.cache_dir = o->cache_dir;
     c.log = on_log;
     c.log_user = (void *)o;
     int r = cm384_engine_create(m, &c, e);
@@ -666,7 +682,192 @@ static int cmd_perplexity(const opts *o) {
 
 /* ---- bench ---- */
 
-typedef struct bench_req { int32_t *ids; int n; uint64_t id; } bench_req;
+typedef struct bench_req {
+    int32_t *ids;
+    int      n;
+    uint64_t id;
+    int      done;           /* its final event came                           */
+    double   t_last;         /* its last token, for the gaps between tokens    */
+    double  *gaps;           /* ms between consecutive tokens (NULL: not kept) */
+    int      n_gaps, cap_gaps;
+} bench_req;
+
+/* The workload: R requests (C in flight, T tenants), and optionally prompts
+ * of AP tokens arriving one at a time while they run (AN of them at most). */
+typedef struct bench_work {
+    bench_req *rq;
+    int        R, C, T;
+    int32_t   *arr;
+    int        AP, AN;
+} bench_work;
+
+typedef struct bench_out {
+    cm384_stats st;
+    double      wall;
+    int         n_arrived;
+    double      itl50, itl99;        /* gaps between tokens, over every request  */
+    double      tp50, tp99;          /* each request's mean gap, over requests   */
+} bench_out;
+
+static int bench_event(void *user, const cm384_event *ev) {
+    bench_req *b = user;
+    if (ev->kind != CM384_EV_TOKEN) { b->done = 1; return 0; }
+    double t = now_s();
+    if (b->t_last > 0 && b->n_gaps < b->cap_gaps) b->gaps[b->n_gaps++] = (t - b->t_last) * 1e3;
+    b->t_last = t;
+    return 0;
+}
+
+static int cmp_double(const void *a, const void *b) {
+    double x = *(const double *)a, y = *(const double *)b;
+    return x < y ? -1 : x > y;
+}
+
+static double quantile(double *v, int n, double q) {
+    if (n <= 0) return 0;
+    qsort(v, (size_t)n, sizeof *v, cmp_double);
+    int k = (int)ceil(q * n) - 1;
+    return v[k < 0 ? 0 : k >= n ? n - 1 : k];
+}
+
+/* Runs the workload on a fresh engine.  Fills out; returns 0 or an exit
+ * status. */
+static int bench_run(const opts *o, cm384_model *m, const bench_work *w, const cm384_sampling *s, bench_out *out,
+                     cm384_engine **keep) {
+    cm384_engine *e;
+    bench_req *rq = w->rq;
+    int R = w->R, C = w->C, T = w->T;
+    memset(out, 0, sizeof *out);
+    if (make_engine(o, m, &e)) return EXIT_RUNTIME;
+    int status = 0, next = 0, finished = 0;
+    if (!o->no_warmup && (R > 0 || w->AP > 0)) {   /* untimed: a prompt of the same length (other tokens: no cache hit), 2 tokens out */
+        int P = R > 0 ? rq[0].n : w->AP, V = cm384_vocab_size(m);
+        uint64_t rng = 0x9e3779b97f4a7c15ull;
+        int32_t *ids = malloc(sizeof(int32_t) * (size_t)P);
+        uint64_t id = 0;
+        cm384_sampling ws = *s;
+        ws.max_tokens = 2;
+        if (!ids) status = die("bench", CM384_E_NOMEM);
+        for (int k = 0; !status && k < P; k++) { rng = rng * 6364136223846793005ull + 1; ids[k] = 3 + (int)((rng >> 33) % (uint64_t)(V - 3)); }
+        cm384_request q;
+        cm384_request_init(&q);
+        q.ids = ids; q.n_ids = P; q.sampling = &ws; q.tenant = (uint32_t)T;
+        if (!status && !cm384_submit(e, &q, &id)) cm384_wait(e, id, -1);
+        free(ids);
+        cm384_reset_stats(e);
+    }
+    for (int i = 0; i < R; i++) { rq[i].done = 0; rq[i].t_last = 0; rq[i].n_gaps = 0; rq[i].id = 0; }
+    cm384_sampling as = *s;                           /* the arriving prompts: one token out each */
+    as.max_tokens = 1;
+    bench_req arq;
+    memset(&arq, 0, sizeof arq);
+    arq.done = 1;
+    double t0 = now_s();
+    while (!status && (finished < R || (w->AP > 0 && R == 0 && out->n_arrived < w->AN) || !arq.done)) {
+        /* an arriving prompt: one in flight while the requests run */
+        if (w->AP > 0 && arq.done && out->n_arrived < w->AN && (finished < R || R == 0)) {
+            if (arq.id) cm384_wait(e, arq.id, -1);
+            cm384_request q;
+            cm384_request_init(&q);
+            q.ids = w->arr; q.n_ids = w->AP; q.sampling = &as;
+            q.tenant = (uint32_t)(T + 1 + out->n_arrived);     /* never served from the cache */
+            q.on_event = bench_event; q.user = &arq;
+            arq.done = 0;
+            int r = cm384_submit(e, &q, &arq.id);
+            if (r) { status = die("submit", r); break; }
+            out->n_arrived++;
+        }
+        if (finished == R) {                                /* only the arrival left: let it finish */
+            int r = cm384_wait(e, arq.id, -1);
+            if (r) { status = die("request", r); break; }
+            arq.done = 1; arq.id = 0;
+            continue;
+        }
+        while (next < R && next - finished < C) {
+            cm384_request q;
+            cm384_request_init(&q);
+            q.ids = rq[next].ids; q.n_ids = rq[next].n; q.sampling = s;
+            q.tenant = (uint32_t)(next % T);
+            q.on_event = bench_event; q.user = &rq[next];
+            int r = cm384_submit(e, &q, &rq[next].id);
+            if (r) { status = die("submit", r); break; }
+            next++;
+        }
+        if (status) break;
+        int r = cm384_wait(e, rq[finished].id, w->AP > 0 && !arq.done ? 2 : -1);   /* poll: the arrival may need replacing */
+        if (r == CM384_E_TIMEOUT) continue;
+        if (r) { status = die("request", r); break; }
+        finished++;
+    }
+    if (status) {                                     /* stop what is still running */
+        for (int i = finished; i < next; i++) cm384_cancel(e, rq[i].id);
+        if (arq.id) cm384_cancel(e, arq.id);
+        cm384_wait_all(e);
+    } else if (arq.id && !arq.done) cm384_wait(e, arq.id, -1);
+    out->wall = now_s() - t0;
+    /* gaps between consecutive tokens of the requests, and each one's TPOT */
+    int n_gaps = 0;
+    for (int i = 0; i < R; i++) n_gaps += rq[i].n_gaps;
+    double *gaps = malloc(sizeof(double) * (size_t)(n_gaps + 1)), *tpots = malloc(sizeof(double) * (size_t)(R + 1));
+    if (gaps && tpots) {
+        n_gaps = 0;
+        for (int i = 0; i < R; i++) {
+            double sum = 0;
+            for (int k = 0; k < rq[i].n_gaps; k++) { gaps[n_gaps++] = rq[i].gaps[k]; sum += rq[i].gaps[k]; }
+            tpots[i] = rq[i].n_gaps ? sum / rq[i].n_gaps : 0;
+        }
+        out->itl50 = quantile(gaps, n_gaps, 0.5); out->itl99 = quantile(gaps, n_gaps, 0.99);
+        out->tp50 = quantile(tpots, R, 0.5); out->tp99 = quantile(tpots, R, 0.99);
+    }
+    free(gaps);
+    free(tpots);
+    out->st.struct_size = sizeof out->st;
+    cm384_get_stats(e, &out->st);
+    if (keep && !status) *keep = e;
+    else cm384_engine_free(e);
+    return status;
+}
+
+/* --slo 15,30,50: the workload under each target, as the paper's Table 4
+ * (batch chosen, TPOT, tokens/s), and again with MTP when the model has it. */
+static int bench_slo(const opts *o, cm384_model *m, const bench_work *w, const cm384_sampling *s) {
+    double targets[32];
+    int n = 0;
+    const char *p = o->slo;
+    while (*p && n < 32) {
+        char *end;
+        double v = strtod(p, &end);
+        if (end == p || !isfinite(v) || v <= 0 || (*end && *end != ',')) {
+            fprintf(stderr, "cm384 bench: --slo \"%s\": a comma-separated list of targets in ms, each > 0 (cm384 help bench)\n", o->slo);
+            return EXIT_USAGE;
+        }
+        targets[n++] = v;
+        p = *end ? end + 1 : end;
+    }
+    cm384_model_info in;
+    memset(&in, 0, sizeof in);
+    in.struct_size = sizeof in;
+    cm384_model_get_info(m, &in);
+    printf("SLO table: %d requests x (%d prompt + %d generated) tokens, %d in flight\n", w->R, w->rq[0].n, s->max_tokens, w->C);
+    printf("  %-9s %-4s %8s %11s %11s %12s  %s\n", "target", "MTP", "batch", "TPOT p50", "TPOT p99", "tok/s", "");
+    for (int mtp = 0; mtp <= (in.n_mtp_layers > 0); mtp++)
+        for (int i = 0; i < n; i++) {
+            opts oo = *o;
+            oo.tpot_target = targets[i];
+            oo.mtp = mtp;
+            bench_out out;
+            int r = bench_run(&oo, m, w, s, &out, NULL);
+            if (r) return r;
+            const cm384_stats st = out.st;
+            int met = st.tpot_p99_ms <= targets[i];
+            printf("  %6.2f ms %-4s %8d %8.2f ms %8.2f ms %12.1f  %s\n", targets[i], mtp ? "on" : "off", st.decode_batch_cap,
+                   st.tpot_p50_ms, st.tpot_p99_ms, (double)w->R * s->max_tokens / out.wall,
+                   st.slo_infeasible ? "infeasible: one request alone misses it" : met ? "met" : "MISSED");
+        }
+    printf("batch: the number of requests the controller let run at once at the end; TPOT per request (MTP's\n"
+           "extra tokens count); tok/s generated over the whole run.\n");
+    return 0;
+}
 
 static int cmd_bench(const opts *o) {
     cm384_model *m;
@@ -676,17 +877,28 @@ static int cmd_bench(const opts *o) {
     t_load = now_s() - t_load;
     int P = o->n_prompt > 0 ? o->n_prompt : 128, N = o->n_tokens > 0 ? o->n_tokens : 64;
     int R = o->requests, C = o->concurrency < R ? o->concurrency : R, T = o->tenants;
+    int AP = o->arrivals, AN = o->arrival_count > 0 ? o->arrival_count : R ? 1 << 30 : 4;
     int V = cm384_vocab_size(m), bos = cm384_token_bos(m);
     if (V < 4) { cm384_model_free(m); fprintf(stderr, "cm384 bench: the vocabulary is too small (%d)\n", V); return EXIT_RUNTIME; }
+    if (R == 0 && AP == 0) {
+        cm384_model_free(m);
+        fprintf(stderr, "cm384 bench: --requests 0 needs --arrivals P (prefill alone) (cm384 help bench)\n");
+        return EXIT_USAGE;
+    }
+    if (o->slo && R == 0) {
+        cm384_model_free(m);
+        fprintf(stderr, "cm384 bench: --slo needs requests to decode (cm384 help bench)\n");
+        return EXIT_USAGE;
+    }
     opts oo = *o;
-    if (!oo.max_ctx) oo.max_ctx = P + N + 16;
-    if (make_engine(&oo, m, &e)) { cm384_model_free(m); return EXIT_RUNTIME; }
+    if (!oo.max_ctx) oo.max_ctx = (AP > P ? AP : P) + N + 16;
     /* prompts: a shared prefix per tenant, then random tokens */
     int shared = (int)(o->shared_prefix * P), status = 0;
     uint64_t rng = 0x1234567;
-    bench_req *rq = calloc((size_t)R, sizeof *rq);
+    bench_req *rq = calloc((size_t)R + 1, sizeof *rq);
     int32_t *prefix = malloc(sizeof(int32_t) * (size_t)T * (size_t)(shared + 1));
-    if (!rq || !prefix) status = die("bench", CM384_E_NOMEM);
+    int32_t *arr = malloc(sizeof(int32_t) * (size_t)(AP + 1));
+    if (!rq || !prefix || !arr) status = die("bench", CM384_E_NOMEM);
     for (int i = 0; !status && i < T * shared; i++) {
         rng = rng * 6364136223846793005ull + 1;
         prefix[i] = 3 + (int)((rng >> 33) % (uint64_t)(V - 3));
@@ -699,51 +911,29 @@ static int cmd_bench(const opts *o) {
             rq[i].ids[k] = k < shared ? prefix[(size_t)(i % T) * shared + k] : 3 + (int)((rng >> 33) % (uint64_t)(V - 3));
         }
         if (bos >= 0) rq[i].ids[0] = bos;
+        rq[i].cap_gaps = N;
+        if (!(rq[i].gaps = calloc((size_t)N, sizeof(double)))) { status = die("bench", CM384_E_NOMEM); break; }
     }
+    for (int k = 0; !status && k < AP; k++) {           /* the arriving prompt: random tokens */
+        rng = rng * 6364136223846793005ull + 1;
+        arr[k] = 3 + (int)((rng >> 33) % (uint64_t)(V - 3));
+    }
+    if (!status && AP > 0 && bos >= 0) arr[0] = bos;
+    bench_work w = {rq, R, C, T, arr, AP, AN};
     cm384_sampling s;
     sampling_from(o, &s, N);
     s.max_tokens = N;
     s.ignore_eos = 1;
-    if (!status && !o->no_warmup) {   /* untimed: a prompt of the same length (other tokens: no cache hit), 2 tokens out */
-        bench_req w = {malloc(sizeof(int32_t) * (size_t)P), P, 0};
-        cm384_sampling ws = s;
-        ws.max_tokens = 2;
-        if (!w.ids) status = die("bench", CM384_E_NOMEM);
-        for (int k = 0; !status && k < P; k++) { rng = rng * 6364136223846793005ull + 1; w.ids[k] = 3 + (int)((rng >> 33) % (uint64_t)(V - 3)); }
-        cm384_request q;
-        cm384_request_init(&q);
-        q.ids = w.ids; q.n_ids = P; q.sampling = &ws; q.tenant = (uint32_t)T;
-        if (!status && !cm384_submit(e, &q, &w.id)) cm384_wait(e, w.id, -1);
-        free(w.ids);
-        cm384_reset_stats(e);
-    }
-    double t0 = now_s();
-    int next = 0, finished = 0;
-    while (!status && finished < R) {
-        while (next < R && next - finished < C) {
-            cm384_request q;
-            cm384_request_init(&q);
-            q.ids = rq[next].ids; q.n_ids = rq[next].n; q.sampling = &s;
-            q.tenant = (uint32_t)(next % T);
-            int r = cm384_submit(e, &q, &rq[next].id);
-            if (r) { status = die("submit", r); break; }
-            next++;
-        }
-        if (status) break;
-        int r = cm384_wait(e, rq[finished].id, -1);
-        if (r) { status = die("request", r); break; }
-        finished++;
-    }
-    if (status) {                                     /* stop what is still running */
-        for (int i = finished; i < next; i++) cm384_cancel(e, rq[i].id);
-        cm384_wait_all(e);
-    }
-    double wall = now_s() - t0;
-    cm384_stats st;
-    memset(&st, 0, sizeof st);
-    st.struct_size = sizeof st;
-    cm384_get_stats(e, &st);
+    bench_out out;
+    memset(&out, 0, sizeof out);
+    e = NULL;
+    if (!status && o->slo) status = bench_slo(&oo, m, &w, &s);
+    else if (!status) status = bench_run(&oo, m, &w, &s, &out, &e);
+    const cm384_stats st = out.st;
+    double wall = out.wall > 0 ? out.wall : 1e-9;
     double out_tok_s = (double)R * N / wall;
+    double arrival_tok_s = (double)out.n_arrived * AP / wall;
+    double total_tok_s = ((double)R * N + (double)st.tokens_prefilled) / wall;
     /* what one token costs: active weights read once per decode step (bytes)
        and 2 flops per active parameter */
     cm384_model_info in;
@@ -756,7 +946,7 @@ static int cmd_bench(const opts *o) {
     /* a prompt token skips the head (only the last one needs logits) */
     double prefill_params = (double)in.n_active_params - (double)in.vocab_size * in.hidden_size;
     double prefill_gops = 2.0 * prefill_params * st.prefill_tok_per_s / 1e9;
-    if (!status && o->json) {
+    if (!status && !o->slo && o->json) {
         printf("{\"active_params\":%llu,\"bytes_per_param\":%.1f,\"decode_weight_gbs\":%.2f,\"prefill_gops\":%.2f,",
                (unsigned long long)in.n_active_params, bpp, decode_gbs, prefill_gops);
         printf("\"model\":\"%s\",\"prompt\":%d,\"gen\":%d,\"requests\":%d,\"concurrency\":%d,\"threads\":%d,"
@@ -766,7 +956,7 @@ static int cmd_bench(const opts *o) {
                "\"cache_hit_ratio\":%.4f,\"dispatch_bytes\":%llu,\"dispatch_bytes_bf16\":%llu,"
                "\"combine_bytes\":%llu,\"preempted\":%llu,\"mtp_drafted\":%llu,\"mtp_accepted\":%llu,"
                "\"mem_weight_bytes\":%llu,\"mem_kv_bytes\":%llu,\"mem_scratch_bytes\":%llu,\"mem_total_bytes\":%llu,"
-               "\"tokens_decoded\":%llu,\"decode_seconds\":%.4f,\"decode_weight_bytes\":%llu,\"decode_steps_weight_gbs\":%.2f}\n",
+               "\"tokens_decoded\":%llu,\"decode_seconds\":%.4f,\"decode_weight_bytes\":%llu,\"decode_steps_weight_gbs\":%.2f,",
                o->model, P, N, R, C, st.n_workers, o->preset ? o->preset : "default", o->int8,
                st.dispatch_bytes < st.dispatch_bytes_bf16,   /* INT8 dispatch was in effect: fewer bytes than bf16 */ o->shared_prefix, t_load, wall, out_tok_s,
                st.prefill_tok_per_s, st.decode_tok_per_s, st.ttft_p50_ms, st.ttft_p99_ms, st.tpot_p50_ms,
@@ -778,16 +968,31 @@ static int cmd_bench(const opts *o) {
                (unsigned long long)st.mem_total_bytes, (unsigned long long)st.tokens_decoded, st.decode_seconds,
                (unsigned long long)st.decode_weight_bytes,
                st.decode_seconds > 0 ? (double)st.decode_weight_bytes / st.decode_seconds / 1e9 : 0.0);
-    } else if (!status) {
+        printf("\"time_shared\":%d,\"arrival_prompt\":%d,\"arrivals\":%d,\"arrival_tok_s\":%.2f,\"total_tok_s\":%.2f,"
+               "\"itl_p50_ms\":%.3f,\"itl_p99_ms\":%.3f,\"req_tpot_p50_ms\":%.3f,\"req_tpot_p99_ms\":%.3f,"
+               "\"decode_steps\":%llu,\"decode_steps_in_prefill\":%llu,\"cache_hits_pool\":%llu,\"cache_hits_disk\":%llu,"
+               "\"cache_misses\":%llu,\"tokens_cached\":%llu,\"tokens_prefilled\":%llu,\"prefill_s\":%.4f}\n",
+               o->time_shared, AP, out.n_arrived, arrival_tok_s, total_tok_s, out.itl50, out.itl99, out.tp50, out.tp99,
+               (unsigned long long)st.decode_steps, (unsigned long long)st.decode_steps_in_prefill,
+               (unsigned long long)st.cache_hits_pool, (unsigned long long)st.cache_hits_disk,
+               (unsigned long long)st.cache_misses, (unsigned long long)st.tokens_cached,
+               (unsigned long long)st.tokens_prefilled, st.prefill_seconds);
+    } else if (!status && !o->slo) {
         printf("workload: %d requests x (%d prompt + %d generated) tokens, %d in flight, shared prefix %.0f%%, %d tenant%s\n",
                R, P, N, C, 100 * o->shared_prefix, T, T > 1 ? "s" : "");
         printf("wall %.2f s: %.1f generated tok/s overall; load %.2f s\n", wall, out_tok_s, t_load);
+        if (AP > 0)
+            printf("arrivals: %d prompts of %d tokens (%.1f prompt tok/s) while decoding; gaps between tokens p50 %.2f ms "
+                   "p99 %.2f ms; per-request TPOT p50 %.2f ms p99 %.2f ms; %.1f tok/s in all (%s)\n", out.n_arrived, AP,
+                   arrival_tok_s, out.itl50, out.itl99, out.tp50, out.tp99, total_tok_s,
+                   o->time_shared ? "time-shared loop" : "peers");
         if (print_report(e)) status = EXIT_RUNTIME;
     }
-    for (int i = 0; rq && i < R; i++) free(rq[i].ids);
+    for (int i = 0; rq && i < R; i++) { free(rq[i].ids); free(rq[i].gaps); }
     free(prefix);
+    free(arr);
     free(rq);
-    cm384_engine_free(e);
+    if (e) cm384_engine_free(e);
     cm384_model_free(m);
     return status;
 }

@@ -1,5 +1,7 @@
 /* test_slo.c -- the SLO controller picks the largest decode batch whose p99
- * time per output token stays under the target.
+ * time per output token stays under the target.  A request's TPOT is the
+ * mean over its tokens (as the paper's), so the p99 checked is over windows
+ * of consecutive cycles as long as a request runs.
  *
  * The controller is fed step times from a synthetic machine (a known cost
  * per step plus deterministic noise), never the wall clock, so the test is
@@ -26,22 +28,35 @@ static double slo_true_time(const slo_machine *m, int batch, double ctx, double 
     return m->a + m->b * batch + m->c * batch * ctx / 1000 + m->d * prefill / 1000;
 }
 
-/* The largest batch whose worst-case TPOT holds the target on this machine. */
-static int slo_best(const slo_machine *m, double target, double ctx, double prefill, double tpr, int max_batch) {
+/* The largest batch whose TPOT, with the machine's noise scaled by
+ * `margin`, holds the target. */
+static int slo_best(const slo_machine *m, double target, double ctx, double prefill, double tpr, int max_batch,
+                    double margin) {
     int best = 0;
     for (int b = 1; b <= max_batch; b++)
-        if (slo_true_time(m, b, ctx, prefill) * (1 + m->noise) / tpr <= target) best = b;
+        if (slo_true_time(m, b, ctx, prefill) * (1 + margin * m->noise) / tpr <= target) best = b;
     return best;
 }
 
-static double slo_p99(double *v, int n) {
-    for (int i = 1; i < n; i++) {
-        double x = v[i]; int j = i;
-        while (j > 0 && v[j - 1] > x) { v[j] = v[j - 1]; j--; }
-        v[j] = x;
+#define SLO_REQ_STEPS 32          /* a request's run in the synthetic cases */
+
+/* p99 over the means of every window of w consecutive values (each window
+ * one request's run). */
+static double slo_p99_windows(const double *v, int n, int w) {
+    if (n < w) w = n;
+    double *m = malloc(sizeof(double) * (size_t)(n - w + 1)), sum = 0;
+    for (int i = 0; i < n; i++) {
+        sum += v[i];
+        if (i >= w) sum -= v[i - w];
+        if (i >= w - 1) m[i - w + 1] = sum / w;
     }
-    int k = (int)ceil(0.99 * n) - 1;
-    return v[k < 0 ? 0 : k];
+    double p = 0;
+    int nw = n - w + 1;
+    for (int i = 1; i < nw; i++) { double x = m[i]; int j = i; while (j > 0 && m[j - 1] > x) { m[j] = m[j - 1]; j--; } m[j] = x; }
+    int k = (int)ceil(0.99 * nw) - 1;
+    p = m[k < 0 ? 0 : k];
+    free(m);
+    return p;
 }
 
 /* Runs `steps` decode cycles with `avail` requests waiting; ctx(step) and
@@ -54,7 +69,7 @@ static double slo_run(slo_ctl *c, slo_machine *m, int steps, int warm, int avail
     *violations = 0;
     for (int s = 0; s < steps; s++) {
         double ctx = ctx0 + (ctx1 - ctx0) * s / (steps > 1 ? steps - 1 : 1);
-        int cap = slo_choose(c, ctx, max_batch);       /* this step's context is known */
+        int cap = slo_choose(c, ctx, prefill, 0, max_batch);   /* this step's context is known */
         int batch = cap < avail ? cap : avail;
         double t = slo_true_time(m, batch, ctx, prefill) * slo_noise(m);
         slo_observe(c, batch, ctx, prefill, t, tpr);
@@ -63,7 +78,7 @@ static double slo_run(slo_ctl *c, slo_machine *m, int steps, int warm, int avail
             *violations += t / tpr > c->target_ms;
         }
     }
-    double p = slo_p99(tp, n);
+    double p = slo_p99_windows(tp, n, SLO_REQ_STEPS);
     free(tp);
     *final_cap = c->cap;
     return p;
@@ -75,16 +90,16 @@ static void slo_case(const char *name, slo_machine m, double target, int max_bat
     slo_init(&c, target, max_batch);
     int cap, viol;
     double p99 = slo_run(&c, &m, 600, 100, 1000, max_batch, tpr, ctx0, ctx1, prefill, &cap, &viol);
-    int best = slo_best(&m, target, ctx1, prefill, tpr, max_batch);
-    printf("  %-34s target %5.1f ms: p99 TPOT %6.2f ms (%d of 500 steps over), batch %3d (best possible %3d)%s\n", name,
-           target, p99, viol, cap, best, c.infeasible ? ", infeasible" : "");
-    if (best == 0) {
+    int best = slo_best(&m, target, ctx1, prefill, tpr, max_batch, 0.5), mean_ok = slo_best(&m, target, ctx1, prefill, tpr, max_batch, 0);
+    printf("  %-34s target %5.1f ms: p99 TPOT %6.2f ms (%3d of 500 cycles over), batch %3d (the machine allows %3d to %3d)%s\n",
+           name, target, p99, viol, cap, best, mean_ok, c.infeasible ? ", infeasible" : "");
+    if (mean_ok == 0) {
         CHECK(c.infeasible && cap == 1, "%s: an infeasible target was not reported (cap %d)", name, cap);
         return;
     }
     CHECK(!c.infeasible, "%s: a feasible target reported infeasible", name);
     CHECK(p99 <= target, "%s: p99 TPOT %.2f ms over the %.1f ms target", name, p99, target);
-    CHECK(cap >= best - 1 && cap <= best, "%s: settled on batch %d, the machine allows %d", name, cap, best);
+    CHECK(cap >= best - 1 && cap <= mean_ok, "%s: settled on batch %d, the machine allows %d to %d", name, cap, best, mean_ok);
 }
 
 /* ---- in the engine: the scheduler follows the controller ---- */
@@ -144,9 +159,9 @@ static void slo_engine(void) {
     cm384_get_stats(e, &st);
     /* every request ran, and while all 40 were waiting the batch was the controller's */
     int warm = 60, n = k.n_tp - warm;
-    double p99 = n > 0 ? slo_p99(k.tp + warm, n) : 0;
-    int best = slo_best(&k.m, 10.0, 80, 0, 1.0, 48);
-    printf("  %d decode steps, largest batch run %d (the machine allows %d at context 80), virtual p99 step %.2f ms, "
+    double p99 = n > 0 ? slo_p99_windows(k.tp + warm, n, 150) : 0;    /* a request decodes 150 tokens */
+    int best = slo_best(&k.m, 10.0, 80, 0, 1.0, 48, 1.0);
+    printf("  %d decode steps, largest batch run %d (the machine allows %d at context 80), virtual p99 TPOT %.2f ms, "
            "%llu requests done\n", k.steps, k.max_batch_run, best, p99, (unsigned long long)st.requests_done);
     CHECK(st.requests_done == 40, "%llu of 40 requests done", (unsigned long long)st.requests_done);
     CHECK(n > 100 && p99 <= 10.0, "virtual p99 %.2f ms over the 10 ms target", p99);
@@ -171,8 +186,10 @@ static void slo_engine(void) {
         for (int i = v; i < 40; i += 3)
             same += got[i].n == alone.n && alone.n == 150 && !memcmp(got[i].tok, alone.tok, sizeof(int32_t) * 150);
     }
-    printf("  %llu preemptions by the SLO's safety valve; %d of 40 requests' tokens equal the request alone\n",
+    printf("  %llu preemptions; %d of 40 requests' tokens equal the request alone\n",
            (unsigned long long)st.requests_preempted, same);
+    CHECK(st.requests_preempted == 0, "the SLO controller preempted %llu requests (it only holds admission)",
+          (unsigned long long)st.requests_preempted);
     CHECK(same == 40, "%d of 40 requests give their lone tokens under the SLO controller", same);
     cm384_model_free(m);
 }
