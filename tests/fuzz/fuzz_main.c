@@ -23,6 +23,7 @@
 #include "fuzz_tokenize.c"
 #include "fuzz_chat.c"
 #include "fuzz_request.c"
+#include "fuzz_kv_block.c"
 
 /* name, the harness, its one-time set-up (may be NULL), runs in `make test` */
 static const struct fuzz_target {
@@ -40,6 +41,7 @@ static const struct fuzz_target {
     {"tokenize", fuzz_tokenize, fuzz_tokenize_init, 5000},
     {"chat", fuzz_chat, fuzz_chat_init, 5000},
     {"request", fuzz_request, fuzz_request_init, 1000},
+    {"kv_block", fuzz_kv_block, NULL, 20000},
 };
 #define N_FUZZ_TARGETS (int)(sizeof fuzz_targets / sizeof fuzz_targets[0])
 
