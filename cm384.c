@@ -78,6 +78,7 @@ const char *cm384_strerror(int status) {
     case CM384_E_INTERNAL:    return "CM384_E_INTERNAL: internal error";
     case CM384_E_NOT_FOUND:   return "CM384_E_NOT_FOUND: no such request";
     case CM384_E_TIMEOUT:     return "CM384_E_TIMEOUT: timed out";
+    case CM384_E_DEVICE:      return "CM384_E_DEVICE: no device of a needed role survives";
     default:                  return "unknown status";
     }
 }
@@ -5383,6 +5384,7 @@ typedef struct device {
     unsigned roles;
     int      n_owned;        /* decode requests it owns (attention)           */
     int      n_hosted;       /* routed expert replicas it hosts (decode)       */
+    int      failed;         /* dead (section 12b): no role, no work           */
 } device;
 
 /* Where each routed expert of each layer lives in one phase.  An entry is a
@@ -5930,6 +5932,19 @@ struct cm384_engine {
     pthread_cond_t    cv_done;
     int               stopping;
     struct sched     *sched;
+    /* faults (section 12b) */
+    struct fault_rec *faults;                /* under e->mu: every fault so far  */
+    int               n_faults, cap_faults;
+    struct fault_due *due;                   /* under e->mu: scheduled, by step  */
+    int               n_due, cap_due;
+    _Atomic int       n_due_atomic;          /* n_due, read by the loops unlocked */
+    _Atomic int       link_arm;              /* device whose link drops the next step's messages (-1) */
+    int               link_arm_fault;        /* its fault record                  */
+    _Atomic int       link_drop[2];          /* per phase: the device whose link drops this step's (-1) */
+    int               link_fault[2];         /* ... its fault record               */
+    _Atomic uint64_t  link_retried[2];       /* ... messages found missing and sent again */
+    int               fatal;                 /* CM384_E_DEVICE once a needed role has no device */
+    char              fatal_why[96];
 };
 
 /* Work fused for several devices (a weight streamed once for all their
@@ -6156,6 +6171,23 @@ static void quantize_row(const struct cm384_engine *e, const float *x, int n, in
 /* ---- per-token tasks ---- */
 
 /* The residual add the previous op owes x, then the norm of this op. */
+static void t_norm(void *ctx, int g, int t, int worker);
+
+/* The norm, then the row as an INT8 message would bring it to a receiver
+ * (quantized per token, dequantized), into recv_f: the input of a shared
+ * expert computed at the source in place of one the paper preset's decode
+ * sends tokens to. */
+static void t_norm_dq(void *ctx, int g, int t, int worker) {
+    t_norm(ctx, g, t, worker);
+    op *o = ctx;
+    fwd_scratch *s = o->mb->s;
+    int D = o->e->m->hp.dim, r = o->mb->groups[g].first + t;
+    int8_t *q = s->xnq + (size_t)r * D;
+    quantize_row(o->e, s->xn + (size_t)r * D, D, q, &s->xns[r]);
+    float *f = s->recv_f + (size_t)r * D, sc = s->xns[r];
+    for (int d = 0; d < D; d++) f[d] = (float)q[d] * sc;
+}
+
 static void t_norm(void *ctx, int g, int t, int worker) {
     (void)worker;
     op *o = ctx;
@@ -6177,10 +6209,13 @@ static void t_norm(void *ctx, int g, int t, int worker) {
         if (o->e->bf16_combine) {            /* expert outputs came back in BF16 */
             const uint16_t *c16 = s->comb16 + (size_t)r * (K + 1) * D;
             int shared16 = o->e->place[mb->phase].n_shared > 0;   /* else computed here, fp32 */
+            int as_sent = !shared16 && o->e->place[PHASE_DECODE].n_shared > 0;   /* rounded as decode's comes back */
             for (int d = 0; d < D; d++) {
                 float acc = 0;
                 for (int k = 0; k < K; k++) acc += w[k] * gl_bf16_to_f32(c16[(size_t)k * D + d]);
-                if (has_shared) acc += shared16 ? gl_bf16_to_f32(c16[(size_t)K * D + d]) : cb[(size_t)K * D + d];
+                if (has_shared)
+                    acc += shared16 ? gl_bf16_to_f32(c16[(size_t)K * D + d])
+                         : as_sent ? gl_bf16_to_f32(gl_f32_to_bf16(cb[(size_t)K * D + d])) : cb[(size_t)K * D + d];
                 x[d] += acc;
             }
         } else {
@@ -6444,6 +6479,22 @@ static void t_quant_att(void *ctx, int g, int t, int worker) {
  * the early quantization of CloudMatrix's FusedDispatch.  A row for an expert
  * on the sending device itself is written too, but it is local memory, not
  * fabric traffic. */
+/* One message: token r's row for its k-th destination, written into the
+ * receiver's row `row` (metadata last: it says the row has arrived). */
+static void dispatch_write(struct cm384_engine *e, fwd_scratch *s, int r, int k, int src, int row,
+                           const float *xn, const int8_t *xq) {
+    const hparams *hp = &e->m->hp;
+    int D = hp->dim, K = hp->top_k;
+    if (e->cfg.int8_dispatch) {
+        memcpy(s->recv_q + (size_t)row * D, xq, (size_t)D);
+        s->recv_s[row] = s->xns[r];
+    } else {
+        memcpy(s->recv_f + (size_t)row * D, xn, (size_t)D * sizeof(float));
+    }
+    s->recv_meta[row] = (msg_meta){r * (K + 1) + k, (int16_t)(k < K ? s->top_id[(size_t)r * K + k] : hp->n_routed),
+                                   (int16_t)src};
+}
+
 static void t_dispatch(void *ctx, int g, int t, int worker) {
     (void)worker;
     op *o = ctx;
@@ -6459,24 +6510,14 @@ static void t_dispatch(void *ctx, int g, int t, int worker) {
     int int8 = e->cfg.int8_dispatch;
     if (int8 && !op_q8(o)) quantize_row(e, xn, D, s->xnq + (size_t)r * D, &s->xns[r]);
     uint64_t remote = 0, local = 0, n_remote = 0;
+    int down = atomic_load_explicit(&e->link_drop[mb->phase], memory_order_relaxed);   /* a link fault (12b) */
     for (int k = 0; k < n_dst; k++) {
         int row = rows[k];
-        size_t bytes;
-        if (int8) {
-            memcpy(s->recv_q + (size_t)row * D, xq, (size_t)D);
-            s->recv_s[row] = s->xns[r];
-            bytes = (size_t)D + sizeof(float);
-        } else {
-            memcpy(s->recv_f + (size_t)row * D, xn, (size_t)D * sizeof(float));
-            bytes = (size_t)D * sizeof(float);
-        }
-        s->recv_meta[row] = (msg_meta){r * (K + 1) + k, (int16_t)(k < K ? s->top_id[(size_t)r * K + k] : hp->n_routed),
-                                       (int16_t)src};
-        bytes += sizeof(msg_meta);
-        if (dst[k] == src) { local += bytes; continue; }
-        fabric_count(e, PLANE_UB, src, dst[k], bytes);
-        remote += bytes;
-        n_remote++;
+        size_t bytes = (int8 ? (size_t)D + sizeof(float) : (size_t)D * sizeof(float)) + sizeof(msg_meta);
+        if (dst[k] == src) local += bytes;
+        else { fabric_count(e, PLANE_UB, src, dst[k], bytes); remote += bytes; n_remote++; }
+        if (down >= 0 && dst[k] != src && (dst[k] == down || src == down)) continue;   /* sent, never arrives */
+        dispatch_write(e, s, r, k, src, row, xn, xq);
     }
     if (remote) {
         atomic_fetch_add_explicit(&e->dispatch_bytes, remote, memory_order_relaxed);
@@ -6484,6 +6525,38 @@ static void t_dispatch(void *ctx, int g, int t, int worker) {
         atomic_fetch_add_explicit(&e->n_messages, n_remote, memory_order_relaxed);
     }
     if (local) atomic_fetch_add_explicit(&e->local_bytes, local, memory_order_relaxed);
+}
+
+/* Receivers: every row the layout reserved must have arrived (its metadata
+ * written).  A row that did not -- a link dropped it (section 12b) -- is
+ * asked for again and the sender writes it once more: counted as fabric
+ * traffic again and as a retried message. */
+static void moe_receive_check(op *o) {
+    struct cm384_engine *e = o->e;
+    microbatch *mb = o->mb;
+    fwd_scratch *s = mb->s;
+    int K = e->m->hp.top_k, D = e->m->hp.dim, n_dst = K + (e->place[mb->phase].n_shared > 0);
+    uint64_t retried = 0, bytes = 0;
+    FOR_GROUPS(mb, g) {
+        int src = mb->groups[g].device;
+        for (int t = 0; t < mb->groups[g].n; t++) {
+            int r = mb->groups[g].first + t;
+            for (int k = 0; k < n_dst; k++) {
+                int row = s->row_of[(size_t)r * (K + 1) + k], dst = s->dst_dev[(size_t)r * (K + 1) + k];
+                if (s->recv_meta[row].slot >= 0) continue;
+                size_t b = (e->cfg.int8_dispatch ? (size_t)D + sizeof(float) : (size_t)D * sizeof(float)) + sizeof(msg_meta);
+                dispatch_write(e, s, r, k, src, row, s->xn + (size_t)r * D, s->xnq + (size_t)r * D);
+                fabric_count(e, PLANE_UB, src, dst, b);
+                retried++;
+                bytes += b;
+            }
+        }
+    }
+    if (retried) {
+        atomic_fetch_add_explicit(&e->dispatch_bytes, bytes, memory_order_relaxed);
+        atomic_fetch_add_explicit(&e->n_messages, retried, memory_order_relaxed);
+        atomic_fetch_add_explicit(&e->link_retried[mb->phase], retried, memory_order_relaxed);
+    }
 }
 
 static int entry_expert(const placement *p, int entry, int E) {
@@ -6538,8 +6611,10 @@ static void moe_layout(op *o) {
             } else {
                 break;
             }
-            s->row_of[(size_t)t * (K + 1) + k] = first[en] + count[en]++;
+            int row = first[en] + count[en]++;
+            s->row_of[(size_t)t * (K + 1) + k] = row;
             s->dst_dev[(size_t)t * (K + 1) + k] = dev[en];
+            s->recv_meta[row].slot = -1;              /* not arrived: dispatch_write sets it */
         }
     }
     uint64_t *rows_of_layer = mb->phase == PHASE_DECODE && l < NLT ? e->dev_rows_layer + (size_t)l * e->n_dev : NULL;
@@ -6739,18 +6814,25 @@ static int moe_stage(op *o, region *rg) {
     const int *dev = pl_dev(pl, o->layer), *ord = pl_order(pl, o->layer);
     const layer_q8 *Q = op_q8(o);
     const ffn_w *SH = Q ? &Q->shared : &L->shared;
+    /* where decode sends the shared expert its tokens (the paper preset), a
+       shared expert computed here must see the numbers a receiver would --
+       the INT8 message dequantized, the output back in BF16 -- or a
+       position's KV would depend on which phase computed it */
+    int as_sent = at_source && e->place[PHASE_DECODE].n_shared > 0;
+    int dq = as_sent && e->cfg.int8_dispatch && !Q;
+    const float *sh_in = dq ? s->recv_f : s->xn;     /* recv_f is free until the dispatch */
     rg->name = "moe"; rg->layer = o->layer; rg->mb = mb->index;
     for (;;) switch (o->stage++) {
     case 0:
-        FOR_GROUPS(mb, g) region_add(rg, t_norm, o, g, mb->groups[g].n, mb->groups[g].device);
+        FOR_GROUPS(mb, g) region_add(rg, dq ? t_norm_dq : t_norm, o, g, mb->groups[g].n, mb->groups[g].device);
         return 1;
     case 1:                                   /* router, and the shared expert at the source */
         mb->pending = PEND_NONE;
         o->n_jobs = 0;
         op_mm_rows(o, rg, &L->router, s->xn, NULL, NULL, D, s->router, E);
         if (at_source) {
-            op_mm_rows(o, rg, &SH->gate, s->xn, s->xnq, s->xns, D, s->ffa, SI);
-            op_mm_rows(o, rg, &SH->up, s->xn, s->xnq, s->xns, D, s->ffb, SI);
+            op_mm_rows(o, rg, &SH->gate, sh_in, s->xnq, s->xns, D, s->ffa, SI);
+            op_mm_rows(o, rg, &SH->up, sh_in, s->xnq, s->xns, D, s->ffb, SI);
         }
         return 1;
     case 2:
@@ -6765,7 +6847,8 @@ static int moe_stage(op *o, region *rg) {
         o->n_jobs = 0;
         if (at_source) op_mm_rows(o, rg, &SH->down, s->ffa, s->ffq, s->ffs, SI, s->comb + (size_t)K * D, (K + 1) * D);
         return 1;
-    case 4:              /* receivers convert rows to what their weights take */
+    case 4:              /* receivers check every row arrived, then convert rows to what their weights take */
+        moe_receive_check(o);
         if (!e->cfg.int8_dispatch == !Q) continue;
         rg->name = "experts";
         for (int i = 0; i < pl->n_entries && ord[i] >= 0; i++)
@@ -7294,7 +7377,7 @@ static int eplb_rebalance(struct cm384_engine *e, const uint64_t *load_since) {
         for (int d = 0; d < ND; d++) before[d] = 0;
         for (int x = 0; x < E; x++)            /* the old placement: each replica carries load / replicas */
             for (int q = 0; q < nrep[x]; q++) {
-                if (dev[x * mr + q] < 0) { placed = 0; continue; }
+                if (dev[x * mr + q] < 0 || slot[dev[x * mr + q]] < 0) { placed = 0; continue; }   /* (a dead device: 12b) */
                 before[slot[dev[x * mr + q]]] += ld[x] / nrep[x];
             }
         for (int d = 0; d < ND; d++) if (before[d] > mx_before) mx_before = before[d];
@@ -8156,7 +8239,20 @@ struct request {
     int                accepted, sampled2;
     int                mtp_done;      /* MTP entries 0..mtp_done-1 are computed      */
     float             *h_prev;        /* [dim] final hidden of position n_computed-1 */
+    /* faults (section 12b) */
+    int                fault;         /* 1 + the fault that took its KV, 0: none     */
+    int                fault_counted; /* its recomputed tokens are counted           */
+    int                fatal;         /* ended by a fault that left no device        */
 };
+
+/* section 12b */
+static void fault_request_back(struct cm384_engine *e, request *r);
+static void fault_count_recompute(struct cm384_engine *e, request *r, int kept_tokens);
+static void link_step_begin(struct cm384_engine *e, int phase);
+static void link_step_end(struct cm384_engine *e, int phase);
+static int  faults_due(struct cm384_engine *e);
+static void faults_apply_due(struct cm384_engine *e);
+static const char *role_name(unsigned roles);
 
 typedef struct done_rec { uint64_t id; int status; } done_rec;
 
@@ -8364,6 +8460,8 @@ static void run_remove(peer *P, request *r) {
  * caller has taken it off its peer's lists. */
 static void finish(struct cm384_engine *e, request *r, int kind, int status) {
     sched *S = e->sched;
+    if (r->fatal && kind == CM384_EV_CANCELLED) { kind = CM384_EV_ERROR; status = CM384_E_DEVICE; }   /* 12b */
+    fault_request_back(e, r);
     release_blocks(e, r);
     if (r->fn) {
         cm384_event ev;
@@ -8441,6 +8539,7 @@ static int admit(struct cm384_engine *e, peer *P, request *r) {
     pthread_mutex_unlock(&e->pool_mu);
     r->load_first = matched;
     r->load_n = on_disk;
+    fault_count_recompute(e, r, (matched + on_disk) * B);
     pthread_mutex_lock(&e->mu);
     e->sched->st.cache_hits_pool += (uint64_t)matched;
     e->sched->st.cache_misses += (uint64_t)(limit - matched - on_disk);
@@ -8631,7 +8730,9 @@ static void run_phase(struct cm384_engine *e, peer *P, request **rq, const int *
         for (int i = split; i < nr; i++) rq[i]->logit_row += w0;
         mb[1].logits = P->logits + (size_t)w0 * e->m->hp.vocab;
     }
+    link_step_begin(e, P->phase);
     forward_main(e, &P->rg, mb, n_mb);
+    link_step_end(e, P->phase);
 }
 
 /* ---- MTP: drafting the next token ---- */
@@ -8737,6 +8838,7 @@ static void prefill_cancellations(struct cm384_engine *e, peer *P) {
 
 /* A request with its prompt computed: its first token, then decode. */
 static void prefill_done(struct cm384_engine *e, peer *P, request *r) {
+    fault_request_back(e, r);                  /* a fault's request is back where it was */
     hand_off(e, r);
     run_remove(P, r);
     accept_token(e, r, r->sampled);
@@ -8772,6 +8874,7 @@ static int prefill_round(struct cm384_engine *e, peer *P) {
         request *r = P->ready_head;
         P->ready_head = r->next;
         r->next = NULL;
+        if (r->device >= 0 && e->dev[r->device].failed && e->n_pre > 0) r->device = e->pre_devs[0];   /* 12b */
         P->run[P->n_run++] = r;
         progress = 1;
     }
@@ -8808,6 +8911,7 @@ static int prefill_round(struct cm384_engine *e, peer *P) {
     for (int i = 0; i < P->n_run; i++) {
         request *r = P->run[i];
         if (r->n_tokens - r->n_computed != 1) continue;
+        fault_request_back(e, r);
         hand_off(e, r);
         run_remove(P, r);
         give_to_decode(e, r);
@@ -9268,6 +9372,12 @@ static void peer_loop(struct cm384_engine *e, peer *P) {
     for (;;) {
         if (e->stopping)
             for (int i = 0; i < S->n_live; i++) atomic_store(&S->live[i]->cancel, 1);
+        if (faults_due(e)) {                         /* 12b: between rounds, with the peers paused */
+            pthread_mutex_unlock(&e->mu);
+            faults_apply_due(e);
+            pthread_mutex_lock(&e->mu);
+            continue;
+        }
         int work = P->lane == LANE_PREFILL ? prefill_has_work(e, P) : decode_has_work(P);
         unsigned seen = P->wakes;
         if (!work || stalled) {
@@ -9302,6 +9412,12 @@ static void shared_loop(struct cm384_engine *e) {
     for (;;) {
         if (e->stopping)
             for (int i = 0; i < S->n_live; i++) atomic_store(&S->live[i]->cancel, 1);
+        if (faults_due(e)) {
+            pthread_mutex_unlock(&e->mu);
+            faults_apply_due(e);
+            pthread_mutex_lock(&e->mu);
+            continue;
+        }
         int work = prefill_has_work(e, P) || decode_has_work(D);
         unsigned seen = P->wakes;
         if (!work || stalled) {
@@ -9336,10 +9452,6 @@ static void *decode_main(void *arg) {
     return NULL;
 }
 
-/* ======================================================================== */
-/* 13. Observability: stats, report, trace                                  */
-/* ======================================================================== */
-
 /* Stops both peers between steps (prefill's lock first, as the time-shared
  * loop takes them): what their steps write can then be read. */
 static void peers_pause(struct cm384_engine *e) {
@@ -9351,6 +9463,430 @@ static void peers_resume(struct cm384_engine *e) {
     pthread_mutex_unlock(&e->peers[LANE_DECODE].step_mu);
     pthread_mutex_unlock(&e->peers[LANE_PREFILL].step_mu);
 }
+
+/* ======================================================================== */
+/* 12b. Faults: a device dies, the supernode recovers                       */
+/* ======================================================================== */
+/* This section owns failure: which devices are dead, what each fault took
+ * and how the engine got it back.  A fault is applied between steps, with
+ * both peers paused (peers_pause), by whichever loop reaches its boundary
+ * first -- cm384_fail_device only queues it -- so no step ever sees a
+ * half-dead device.  Recovery reuses the paths requests already have:
+ *   - the roles' device lists (pre_devs, attn_devs, exp_devs) lose the
+ *     device, so admission, hand-off and EPLB only see the living;
+ *   - an expert device's experts are re-placed by EPLB over the surviving
+ *     expert devices (a surviving replica takes over, or the weights are
+ *     read again from the pool);
+ *   - a request whose KV was on the device gives its blocks back without
+ *     offering them to the cache (they are lost) and goes to the front of
+ *     prefill's queue, like a preemption: admission finds what the context
+ *     cache holds of it and prefill recomputes the rest, sampling nothing
+ *     new until it is back where it was, so its tokens do not change;
+ *   - a caching device takes the cache index with it; another idle device
+ *     starts an empty one;
+ *   - a link fault makes one step's dispatch messages to or from the
+ *     device vanish; the receivers' check (moe_receive_check) finds the
+ *     missing rows and the senders write them again.
+ * When a role needed by every request (prefill, decode attention, experts)
+ * has no device left, the engine fails: pending requests end with
+ * CM384_EV_ERROR / CM384_E_DEVICE and submissions are refused. */
+
+typedef struct fault_rec {
+    cm384_fault_info info;
+    uint64_t         t0_ns;        /* when it hit                                 */
+    int              pending;      /* requests it hit not yet back where they were */
+    int              open;         /* recovery not finished                       */
+} fault_rec;
+
+typedef struct fault_due { int device, kind; uint64_t step; } fault_due;
+
+static uint64_t engine_steps(struct cm384_engine *e) {
+    return atomic_load(&e->peers[LANE_PREFILL].steps) + atomic_load(&e->peers[LANE_DECODE].steps);
+}
+
+/* A span on a device's own track (its fault and recovery). */
+static void trace_device_span(struct cm384_engine *e, int device, const char *name, uint64_t t0, uint64_t t1) {
+    if (!e->trace) return;
+    pthread_mutex_lock(&e->trace_mu);
+    if (e->n_tev == e->cap_tev) trace_flush(e);
+    e->tev[e->n_tev++] = (trace_event){device, -1, 0, name, t0, t1 > t0 ? t1 : t0 + 1000};
+    pthread_mutex_unlock(&e->trace_mu);
+}
+
+/* Ends a fault's recovery (under e->mu). */
+static void fault_close(struct cm384_engine *e, fault_rec *f) {
+    if (!f->open) return;
+    uint64_t t1 = now_ns();
+    f->open = 0;
+    f->info.recovery_ms = (double)(t1 - f->t0_ns) / 1e6;
+    if (f->info.recovery_ms > e->sched->st.fault_recovery_ms_max) e->sched->st.fault_recovery_ms_max = f->info.recovery_ms;
+    trace_device_span(e, f->info.device, f->info.kind == CM384_FAULT_LINK ? "link fault: retried" : "fault: recovery",
+                      f->t0_ns, t1);
+    engine_log(e, 1, "fault on device %d (%s) recovered in %.2f ms: %d request%s re-admitted, %llu tokens recomputed, "
+               "%d experts re-placed from the weights, %d left to a replica, %llu messages retried",
+               f->info.device, f->info.roles, f->info.recovery_ms, f->info.requests_readmitted,
+               f->info.requests_readmitted == 1 ? "" : "s", (unsigned long long)f->info.tokens_recomputed,
+               f->info.experts_replaced, f->info.experts_failed_over, (unsigned long long)f->info.messages_retried);
+}
+
+/* A request a fault hit is back where it was (its prompt recomputed), or
+ * ended. */
+static void fault_request_back(struct cm384_engine *e, request *r) {
+    if (!r->fault) return;
+    pthread_mutex_lock(&e->mu);
+    fault_rec *f = &e->faults[r->fault - 1];
+    r->fault = 0;
+    if (--f->pending <= 0) fault_close(e, f);
+    pthread_mutex_unlock(&e->mu);
+}
+
+/* At admission: the tokens a fault's request computes again (what the
+ * context cache did not keep). */
+static void fault_count_recompute(struct cm384_engine *e, request *r, int kept_tokens) {
+    if (!r->fault || r->fault_counted) return;
+    r->fault_counted = 1;
+    uint64_t n = r->n_tokens > kept_tokens ? (uint64_t)(r->n_tokens - kept_tokens) : 0;
+    pthread_mutex_lock(&e->mu);
+    e->faults[r->fault - 1].info.tokens_recomputed += n;
+    e->sched->st.tokens_recomputed += n;
+    pthread_mutex_unlock(&e->mu);
+}
+
+/* r's KV is gone with a device: its blocks go back without being offered to
+ * the cache, and it waits at the front of prefill's queue (peers paused). */
+static void fault_lose_request(struct cm384_engine *e, request *r, int fault) {
+    peer *P = &e->peers[LANE_PREFILL];
+    pthread_mutex_lock(&e->pool_mu);
+    for (int b = 0; b < r->n_blocks; b++) block_unref(e, r->blocks[b]);
+    if (r->stage == RQ_DECODE && r->device >= 0) e->dev[r->device].n_owned--;
+    pthread_mutex_unlock(&e->pool_mu);
+    r->n_blocks = 0; r->n_computed = 0; r->n_hashed = 0; r->chain = 0; r->mtp_done = 0; r->draft = -1; r->device = -1;
+    r->stage = RQ_WAITING;
+    pthread_mutex_lock(&e->mu);
+    r->next = P->in_head;
+    P->in_head = r;
+    if (!P->in_tail) P->in_tail = r;
+    if (r->in_batch) e->sched->n_batch--;
+    r->in_batch = 0;
+    fault_rec *f = &e->faults[fault];
+    if (r->fault) {                                /* an earlier fault's request: this one owns it now */
+        fault_rec *g = &e->faults[r->fault - 1];
+        if (--g->pending <= 0) fault_close(e, g);
+    }
+    r->fault = fault + 1;
+    r->fault_counted = 0;
+    f->pending++;
+    f->info.requests_readmitted++;
+    e->sched->st.requests_readmitted++;
+    pthread_mutex_unlock(&e->mu);
+}
+
+/* Drops device d from a role's device list; returns 1 if it was there. */
+static int fault_drop_from(int *devs, int *n, int d) {
+    for (int i = 0; i < *n; i++)
+        if (devs[i] == d) { memmove(devs + i, devs + i + 1, (size_t)(*n - i - 1) * sizeof(int)); (*n)--; return 1; }
+    return 0;
+}
+
+/* Decode's expert roles and replica counts, from its placement. */
+static void fault_expert_roles(struct cm384_engine *e) {
+    const hparams *hp = &e->m->hp;
+    const placement *p = &e->place[PHASE_DECODE];
+    for (int d = 0; d < e->n_dev; d++) { e->dev[d].roles &= ~(unsigned)ROLE_EXPERT; e->dev[d].n_hosted = 0; }
+    for (int l = 0; l < hp->n_layers + hp->n_mtp; l++)
+        if (hp->n_routed > 0 && e->m->layers[l].is_moe) {
+            const int *dd = pl_dev(p, l);
+            for (int i = 0; i < hp->n_routed * p->max_rep; i++)
+                if (dd[i] >= 0) { e->dev[dd[i]].roles |= ROLE_EXPERT; e->dev[dd[i]].n_hosted++; }
+            break;
+        }
+}
+
+/* An expert device is gone: prefill's and decode's experts that lived there
+ * move to the survivors.  Returns 0, or -1 if no expert device is left. */
+static int fault_replace_experts(struct cm384_engine *e, int d, fault_rec *f) {
+    const hparams *hp = &e->m->hp;
+    int E = hp->n_routed, NL = hp->n_layers + hp->n_mtp;
+    placement *p = &e->place[PHASE_DECODE];
+    int mr = p->max_rep;
+    if (!fault_drop_from(e->exp_devs, &e->n_exp_devs, d) && !(e->dev[d].roles & ROLE_SHARED)) return 0;
+    fault_drop_from(e->red_devs, &e->n_red, d);
+    if (e->n_exp_devs == 0) return -1;
+    while (e->n_exp_devs * e->exp_cap < E) e->exp_cap++;            /* the survivors take more slots each */
+    size_t slots = (size_t)e->n_exp_devs * e->exp_cap;
+    struct eplb_item *items = CM384_MALLOC(slots * sizeof *items);   /* EPLB's scratch for the new shape */
+    uint64_t *load = CM384_MALLOC((size_t)NL * E * sizeof(uint64_t));
+    if (!items || !load) { CM384_FREE(items); CM384_FREE(load); return -2; }
+    CM384_FREE(e->eplb_items);
+    e->eplb_items = items;
+    for (int l = 0; l < NL; l++) {
+        if (!e->m->layers[l].is_moe) continue;
+        int *dev = pl_dev(p, l), *nrep = pl_nrep(p, l, E);
+        for (int x = 0; x < E; x++) {
+            int dead = 0;
+            for (int q = 0; q < nrep[x]; q++) dead += dev[x * mr + q] == d;
+            if (dead) { if (dead < nrep[x]) f->info.experts_failed_over++; else f->info.experts_replaced++; }
+        }
+        /* the shared expert's replicas: to a surviving shared device, else an expert device */
+        for (int j = 0; j < p->n_shared; j++) {
+            int *sd = &dev[E * mr + j];
+            if (*sd != d) continue;
+            int to = e->exp_devs[j % e->n_exp_devs];
+            for (int k = 0; k < p->n_shared; k++) if (dev[E * mr + k] != d) { to = dev[E * mr + k]; break; }
+            *sd = to;
+        }
+    }
+    /* EPLB over the survivors, from all of decode's load so far (+1: an
+       expert nobody used yet still needs a slot) */
+    const uint64_t *decode_load = e->expert_load + (size_t)NL * E;
+    for (size_t i = 0; i < (size_t)NL * E; i++) load[i] = decode_load[i] + 1;
+    eplb_rebalance(e, load);
+    CM384_FREE(load);
+    fault_expert_roles(e);
+    /* prefill's experts live on the prefill devices, not here */
+    return 0;
+}
+
+/* Prefill's expert placement over the surviving prefill devices. */
+static void fault_prefill_placement(struct cm384_engine *e, int d, fault_rec *f) {
+    const hparams *hp = &e->m->hp;
+    placement *p = &e->place[PHASE_PREFILL];
+    for (int l = 0; l < hp->n_layers + hp->n_mtp; l++) {
+        int *pd = pl_dev(p, l);
+        for (int x = 0; x < hp->n_routed; x++) {
+            if (e->m->layers[l].is_moe && pd[x] == d) f->info.experts_replaced++;
+            pd[x] = e->pre_devs[x % e->n_pre];
+        }
+        pl_sort(p, l);
+    }
+}
+
+/* The caching device is gone with the cache index it held (under pool_mu):
+ * lookups miss from now on; blocks requests still hold stay theirs. */
+static void fault_lose_cache(struct cm384_engine *e) {
+    for (int i = 0; i < e->index_cap; i++) {
+        int b = e->index[i];
+        if (b < 0) continue;
+        e->index[i] = -1;
+        block_meta *m = &e->bm[b];
+        if (m->ref == 1) lru_unlink(e, b);
+        m->cached = 0;
+        if (--m->ref == 0) e->free_blocks[e->n_free++] = b;
+    }
+    e->n_cached = 0;
+    e->lru_head = e->lru_tail = -1;
+    if (e->disk_keys.k) memset(e->disk_keys.k, 0, (size_t)e->disk_keys.cap * sizeof(uint64_t));
+    e->disk_keys.n = 0;
+}
+
+static const char *fault_kind_name(int kind) { return kind == CM384_FAULT_LINK ? "link" : "device"; }
+
+/* Applies one fault (both peers paused, e->mu not held). */
+static void fault_apply(struct cm384_engine *e, int d, int kind, uint64_t step) {
+    peer *P = &e->peers[LANE_PREFILL], *D = &e->peers[LANE_DECODE];
+    if (e->dev[d].failed || e->fatal) return;              /* already dead */
+    pthread_mutex_lock(&e->mu);
+    if (e->n_faults == e->cap_faults) {
+        int cap = e->cap_faults ? 2 * e->cap_faults : 16;
+        fault_rec *fr = realloc(e->faults, (size_t)cap * sizeof *fr);
+        if (!fr) { pthread_mutex_unlock(&e->mu); engine_log(e, 2, "fault on device %d: no memory to record it; ignored", d); return; }
+        e->faults = fr;
+        e->cap_faults = cap;
+    }
+    int fi = e->n_faults++;
+    fault_rec *f = &e->faults[fi];
+    memset(f, 0, sizeof *f);
+    f->info.struct_size = sizeof f->info;
+    f->info.device = d;
+    f->info.kind = kind;
+    snprintf(f->info.roles, sizeof f->info.roles, "%s", role_name(e->dev[d].roles));
+    f->info.step = step;
+    f->info.recovery_ms = -1;
+    f->t0_ns = now_ns();
+    f->open = 1;
+    e->sched->st.n_faults++;
+    pthread_mutex_unlock(&e->mu);
+    engine_log(e, 1, "fault: %s %d (%s) fails at step %llu", fault_kind_name(kind), d, f->info.roles,
+               (unsigned long long)step);
+    if (kind == CM384_FAULT_LINK) {                        /* the next step that runs picks it up */
+        e->link_arm_fault = fi;
+        atomic_store(&e->link_arm, d);
+        return;
+    }
+    unsigned roles = e->dev[d].roles;
+    e->dev[d].failed = 1;
+    const char *lost = NULL;
+    /* prefill: its half-computed prompts start again on the others */
+    if (fault_drop_from(e->pre_devs, &e->n_pre, d)) {
+        if (e->n_pre == 0) lost = "prefill";
+        else {
+            fault_prefill_placement(e, d, f);
+            for (int i = 0; i < P->n_run; i++)
+                if (P->run[i]->device == d) { request *r = P->run[i]; run_remove(P, r); fault_lose_request(e, r, fi); i--; }
+        }
+    }
+    /* decode attention: its requests' KV is gone */
+    if (!lost && fault_drop_from(e->attn_devs, &e->n_attn, d)) {
+        if (e->n_attn == 0) lost = "decode attention";
+        else {
+            for (int i = 0; i < D->n_run; i++)
+                if (D->run[i]->device == d) { request *r = D->run[i]; run_remove(D, r); fault_lose_request(e, r, fi); i--; }
+            pthread_mutex_lock(&e->mu);                    /* handed off, not yet taken */
+            request *keep = NULL, *keep_tail = NULL, *gone = NULL;
+            for (request *r = D->in_head, *nx; r; r = nx) {
+                nx = r->next;
+                r->next = NULL;
+                if (r->device == d) { r->next = gone; gone = r; }
+                else { if (keep_tail) keep_tail->next = r; else keep = r; keep_tail = r; }
+            }
+            D->in_head = keep; D->in_tail = keep_tail;
+            pthread_mutex_unlock(&e->mu);
+            for (request *r = gone, *nx; r; r = nx) { nx = r->next; r->next = NULL; fault_lose_request(e, r, fi); }
+        }
+    }
+    /* experts */
+    if (!lost && (roles & (ROLE_EXPERT | ROLE_SHARED))) {
+        int r = fault_replace_experts(e, d, f);
+        if (r == -1) lost = "expert";
+        else if (r == -2) engine_log(e, 2, "fault on device %d: no memory to re-place its experts; they stay where they were", d);
+    }
+    /* caching: the index it held is gone; another idle device starts over */
+    if (roles & ROLE_CACHE) {
+        pthread_mutex_lock(&e->pool_mu);
+        fault_lose_cache(e);
+        int to = -1;
+        for (int k = e->n_dev - 1; k >= 0 && to < 0; k--) if (!e->dev[k].roles && !e->dev[k].failed) to = k;
+        if (to >= 0) { e->cache_dev = to; e->dev[to].roles |= ROLE_CACHE; }
+        else e->cache_blocks_max = 0;                      /* no device left to hold a cache */
+        pthread_mutex_unlock(&e->pool_mu);
+        if (to >= 0) engine_log(e, 1, "fault: the context cache on device %d is lost; device %d starts an empty one", d, to);
+        else engine_log(e, 1, "fault: the context cache on device %d is lost; no idle device is left: caching is off", d);
+    }
+    e->dev[d].roles = 0;
+    e->dev[d].n_hosted = 0;
+    pthread_mutex_lock(&e->mu);
+    e->sched->st.experts_replaced += (uint64_t)f->info.experts_replaced;
+    e->sched->st.experts_failed_over += (uint64_t)f->info.experts_failed_over;
+    if (lost) {                                            /* nothing can serve a request now */
+        f->info.fatal = 1;
+        e->fatal = CM384_E_DEVICE;
+        snprintf(e->fatal_why, sizeof e->fatal_why, "no %s device survives (device %d failed)", lost, d);
+        sched *S = e->sched;
+        for (int i = 0; i < S->n_live; i++)
+            if (!atomic_exchange(&S->live[i]->cancel, 1)) S->live[i]->fatal = 1;
+        wake_peer(e, LANE_PREFILL);
+        wake_peer(e, LANE_DECODE);
+        f->pending = 0;
+        fault_close(e, f);
+    } else if (f->pending == 0) {
+        fault_close(e, f);                                 /* nothing to recompute: re-placed already */
+    } else {
+        wake_peer(e, LANE_PREFILL);
+    }
+    pthread_mutex_unlock(&e->mu);
+    if (lost) engine_log(e, 2, "fault: %s; pending requests end with CM384_E_DEVICE", e->fatal_why);
+}
+
+/* The loops, between rounds, holding e->mu: a scheduled fault whose step
+ * has come?  Then apply it (and any others due) with the peers paused. */
+static int faults_due(struct cm384_engine *e) {
+    return e->n_due > 0 && e->due[0].step <= engine_steps(e);
+}
+
+static void faults_apply_due(struct cm384_engine *e) {
+    peers_pause(e);
+    for (;;) {
+        pthread_mutex_lock(&e->mu);
+        if (!faults_due(e)) { pthread_mutex_unlock(&e->mu); break; }
+        fault_due fd = e->due[0];
+        memmove(e->due, e->due + 1, (size_t)(e->n_due - 1) * sizeof *e->due);
+        e->n_due--;
+        pthread_mutex_unlock(&e->mu);
+        fault_apply(e, fd.device, fd.kind, engine_steps(e));
+    }
+    peers_resume(e);
+}
+
+/* run_phase's start and end: a link fault armed by fault_apply drops the
+ * messages of the first step that starts after it, and only that step's. */
+static void link_step_begin(struct cm384_engine *e, int phase) {
+    if (atomic_load_explicit(&e->link_arm, memory_order_relaxed) < 0) return;
+    int d = atomic_exchange(&e->link_arm, -1);
+    if (d < 0) return;
+    e->link_fault[phase] = e->link_arm_fault;
+    atomic_store(&e->link_retried[phase], 0);
+    atomic_store(&e->link_drop[phase], d);
+}
+
+static void link_step_end(struct cm384_engine *e, int phase) {
+    if (atomic_load_explicit(&e->link_drop[phase], memory_order_relaxed) < 0) return;
+    atomic_store(&e->link_drop[phase], -1);
+    uint64_t n = atomic_exchange(&e->link_retried[phase], 0);
+    pthread_mutex_lock(&e->mu);
+    fault_rec *f = &e->faults[e->link_fault[phase]];
+    f->info.messages_retried += n;
+    e->sched->st.messages_retried += n;
+    fault_close(e, f);
+    pthread_mutex_unlock(&e->mu);
+}
+
+static int fault_args(cm384_engine *e, int device, int kind, const char *fn) {
+    if (!e) return fail(CM384_E_INVALID, "%s: NULL engine", fn);
+    if (device < 0 || device >= e->n_dev)
+        return fail(CM384_E_INVALID, "%s: no device %d (the engine has %d)", fn, device, e->n_dev);
+    if (kind != CM384_FAULT_DEVICE && kind != CM384_FAULT_LINK)
+        return fail(CM384_E_INVALID, "%s: kind %d is neither CM384_FAULT_DEVICE nor CM384_FAULT_LINK", fn, kind);
+    return CM384_OK;
+}
+
+int cm384_fail_device_at(cm384_engine *e, int device, int kind, uint64_t step) {
+    int r = fault_args(e, device, kind, "cm384_fail_device");
+    if (r) return r;
+    pthread_mutex_lock(&e->mu);
+    if (e->dev[device].failed) {
+        pthread_mutex_unlock(&e->mu);
+        return fail(CM384_E_MISUSE, "cm384_fail_device: device %d has already failed", device);
+    }
+    if (e->n_due == e->cap_due) {
+        int cap = e->cap_due ? 2 * e->cap_due : 16;
+        fault_due *q = realloc(e->due, (size_t)cap * sizeof *q);
+        if (!q) { pthread_mutex_unlock(&e->mu); return fail(CM384_E_NOMEM, "out of memory"); }
+        e->due = q;
+        e->cap_due = cap;
+    }
+    int at = e->n_due;                                     /* in step order, ties in call order */
+    while (at > 0 && e->due[at - 1].step > step) at--;
+    memmove(e->due + at + 1, e->due + at, (size_t)(e->n_due - at) * sizeof *e->due);
+    e->due[at] = (fault_due){device, kind, step};
+    e->n_due++;
+    wake_peer(e, LANE_PREFILL);                            /* an idle loop applies it too */
+    wake_peer(e, LANE_DECODE);
+    pthread_mutex_unlock(&e->mu);
+    return CM384_OK;
+}
+
+int cm384_fail_device(cm384_engine *e, int device, int kind) {
+    return cm384_fail_device_at(e, device, kind, 0);
+}
+
+int cm384_get_faults(cm384_engine *e, cm384_fault_info *out, int cap) {
+    if (!e) return fail(CM384_E_INVALID, "cm384_get_faults: NULL engine");
+    if (cap > 0 && !out) return fail(CM384_E_INVALID, "cm384_get_faults: NULL out with cap %d", cap);
+    pthread_mutex_lock(&e->mu);
+    int n = e->n_faults;
+    for (int i = 0; i < n && i < cap; i++) {
+        size_t sz = out[i].struct_size && out[i].struct_size < sizeof out[i] ? out[i].struct_size : sizeof out[i];
+        cm384_fault_info fi = e->faults[i].info;
+        fi.struct_size = sz;
+        memcpy(&out[i], &fi, sz);
+    }
+    pthread_mutex_unlock(&e->mu);
+    return n;
+}
+
+/* ======================================================================== */
+/* 13. Observability: stats, report, trace                                  */
+/* ======================================================================== */
 
 int cm384_get_stats(cm384_engine *e, cm384_stats *out) {
     if (!e || !out) return fail(CM384_E_INVALID, "cm384_get_stats: NULL argument");
@@ -9385,12 +9921,13 @@ int cm384_get_stats(cm384_engine *e, cm384_stats *out) {
     st.kv_blocks_cached = (uint64_t)e->n_cached;
     st.cache_evictions = e->n_evictions;
     pthread_mutex_unlock(&e->pool_mu);
+    peer *D = &e->peers[LANE_DECODE];
+    pthread_mutex_lock(&D->step_mu);                 /* decode's step writes the loads, SLO and EPLB; faults the roles */
     for (int d = 0; d < e->n_dev; d++) {
         st.n_caching_devices += (e->dev[d].roles & ROLE_CACHE) != 0;
-        st.n_idle_devices += e->dev[d].roles == 0;
+        st.n_idle_devices += e->dev[d].roles == 0 && !e->dev[d].failed;
+        st.n_failed_devices += e->dev[d].failed;
     }
-    peer *D = &e->peers[LANE_DECODE];
-    pthread_mutex_lock(&D->step_mu);                 /* decode's step writes the loads, SLO and EPLB */
     st.decode_batch_cap = atomic_load(&D->decode_cap);
     st.slo_infeasible = D->slo.infeasible;
     st.prefill_weight_bytes = e->weight_bytes[0];
@@ -9502,7 +10039,10 @@ int cm384_get_device_rows(cm384_engine *e, int phase, uint64_t *rows, int cap) {
 
 const char *cm384_device_roles(cm384_engine *e, int device) {
     if (!e || device < 0 || device >= e->n_dev) return "";
-    return role_name(e->dev[device].roles);
+    peers_pause(e);                                  /* faults change roles between steps */
+    const char *name = e->dev[device].failed ? "failed" : role_name(e->dev[device].roles);
+    peers_resume(e);
+    return name;
 }
 
 void cm384_reset_stats(cm384_engine *e) {
@@ -9625,6 +10165,14 @@ int cm384_report(cm384_engine *e, char *buf, size_t cap) {
               (unsigned long long)st.cache_misses, (unsigned long long)st.cache_evictions,
               (unsigned long long)st.cache_blocks_saved, mb_of(st.cache_bytes_saved),
               (unsigned long long)st.cache_files_ignored, e->cache_dir ? "; disk tier " : "", e->cache_dir ? e->cache_dir : "");
+    if (st.n_faults)
+        sb_printf(&b, "faults: %llu (%d device%s dead%s%s); %llu requests re-admitted, %llu tokens recomputed, %llu experts "
+                  "re-placed from the weights, %llu left to a replica, %llu messages retried; slowest recovery %.2f ms\n",
+                  (unsigned long long)st.n_faults, st.n_failed_devices, st.n_failed_devices == 1 ? "" : "s",
+                  e->fatal ? "; " : "", e->fatal ? e->fatal_why : "", (unsigned long long)st.requests_readmitted,
+                  (unsigned long long)st.tokens_recomputed, (unsigned long long)st.experts_replaced,
+                  (unsigned long long)st.experts_failed_over, (unsigned long long)st.messages_retried,
+                  st.fault_recovery_ms_max);
     sb_printf(&b, "peers: %s; %llu prefill steps, %llu decode steps, %llu decode steps ran inside prefill steps\n",
               e->time_shared ? "one time-shared loop" : "prefill and decode loops side by side, decode first",
               (unsigned long long)st.prefill_steps, (unsigned long long)st.decode_steps,
@@ -9816,6 +10364,7 @@ void cm384_engine_free(cm384_engine *e) {
     CM384_FREE(e->busy);
     CM384_FREE(e->expert_load); CM384_FREE(e->dev_rows); CM384_FREE(e->dev_rows_layer);
     CM384_FREE(e->tev); CM384_FREE(e->trace_named);
+    free(e->faults); free(e->due);
     pthread_mutex_destroy(&e->mu);
     pthread_mutex_destroy(&e->pool_mu);
     pthread_mutex_destroy(&e->trace_mu);
@@ -9984,6 +10533,9 @@ int cm384_engine_create(const cm384_model *m, const cm384_config *cfg, cm384_eng
     pthread_mutex_init(&e->pool_mu, NULL);
     pthread_mutex_init(&e->trace_mu, NULL);
     pthread_cond_init(&e->cv_done, NULL);
+    atomic_init(&e->link_arm, -1);                 /* 12b: no link fault */
+    atomic_init(&e->link_drop[0], -1);
+    atomic_init(&e->link_drop[1], -1);
     e->k = kset;
     e->cfg.kernels = NULL;
     e->core_slack = CORE_SLACK;
@@ -10227,6 +10779,11 @@ int cm384_submit(cm384_engine *e, const cm384_request *req, uint64_t *id_out) {
         request_free(r);
         return fail(CM384_E_MISUSE, "cm384_submit: the engine is shutting down");
     }
+    if (e->fatal) {
+        pthread_mutex_unlock(&e->mu);
+        request_free(r);
+        return fail(CM384_E_DEVICE, "cm384_submit: %s", e->fatal_why);
+    }
     if (S->n_live == S->cap_live) {
         int cap = S->cap_live ? 2 * S->cap_live : 64;
         request **l = realloc(S->live, (size_t)cap * sizeof *l);
@@ -10402,6 +10959,11 @@ int cm384_eval(cm384_engine *e, const int32_t *ids, int n, float *logits, float 
     if (!blocks || !h) { CM384_FREE(blocks); CM384_FREE(h); return fail(CM384_E_NOMEM, "out of memory"); }
     pthread_mutex_lock(&P->step_mu);
     int r = CM384_OK, got = 0;
+    if (e->fatal) {                               /* 12b: read under step_mu, which faults are applied under */
+        pthread_mutex_unlock(&P->step_mu);
+        CM384_FREE(blocks); CM384_FREE(h);
+        return fail(CM384_E_DEVICE, "cm384_eval: %s", e->fatal_why);
+    }
     pthread_mutex_lock(&e->pool_mu);
     for (; got < nb; got++) if ((blocks[got] = block_get(e)) < 0) break;
     pthread_mutex_unlock(&e->pool_mu);

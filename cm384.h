@@ -130,7 +130,10 @@ enum cm384_status {
                                   tokenizer-only model)                                 */
     CM384_E_INTERNAL    = -9,  /* a bug: please report it                               */
     CM384_E_NOT_FOUND   = -10, /* no such request id                                    */
-    CM384_E_TIMEOUT     = -11  /* cm384_wait: the request is still running              */
+    CM384_E_TIMEOUT     = -11, /* cm384_wait: the request is still running              */
+    CM384_E_DEVICE      = -12  /* faults left no device of a role a request needs
+                                  (prefill, decode attention, experts): the one case
+                                  where faults fail requests (cm384_fail_device)      */
 };
 
 /* Static name of a status code ("CM384_E_FORMAT: malformed file"). */
@@ -622,6 +625,18 @@ typedef struct cm384_stats {
     uint64_t cache_blocks_saved;
     uint64_t cache_files_ignored;     /* damaged or foreign files not trusted     */
     int      n_caching_devices, n_idle_devices;
+    /* faults (cm384_fail_device) and what recovering from them took */
+    uint64_t n_faults;                /* faults that hit (devices and links)       */
+    int      n_failed_devices;        /* devices dead now                          */
+    uint64_t requests_readmitted;     /* requests whose KV a fault took: recomputed */
+    uint64_t tokens_recomputed;       /* their tokens computed again (the prefix
+                                         found in the context cache is not)        */
+    uint64_t experts_replaced;        /* expert placements re-made from the
+                                         weights (no replica survived)             */
+    uint64_t experts_failed_over;     /* a surviving replica took the load         */
+    uint64_t messages_retried;        /* dispatch messages a link dropped, resent  */
+    double   fault_recovery_ms_max;   /* the slowest recovery: fault -> every
+                                         request it hit back where it was          */
 } cm384_stats;
 
 CM384_API int  cm384_get_stats(cm384_engine *e, cm384_stats *out);
@@ -655,6 +670,61 @@ CM384_API int  cm384_get_device_busy(cm384_engine *e, double *busy_ms, int cap);
  * -1 both.  EPLB evens decode's.  Writes at most cap entries; returns the
  * number of devices. */
 CM384_API int  cm384_get_device_rows(cm384_engine *e, int phase, uint64_t *rows, int cap);
+
+/* ---- faults ----
+ * A device of the emulated supernode can be failed while the engine runs, as
+ * a real one fails: the engine senses it at the next step boundary and
+ * recovers on its own.  What each role loses and how it comes back:
+ *   expert device    its experts are served by a surviving replica, or
+ *                    re-placed onto the surviving expert devices from the
+ *                    weights (every device reads them in the shared pool,
+ *                    the paper's model cache); EPLB then evens the load.
+ *   decode attention its requests lose their KV and are re-admitted: the
+ *                    prefix comes back from the context cache where it is
+ *                    there, the rest is recomputed by prefill.
+ *   prefill device   its queue and its half-computed prompts move to the
+ *                    other prefill devices (the half computed is redone).
+ *   caching device   the context cache it held is lost: lookups miss until
+ *                    another idle device has filled it again.
+ * CM384_FAULT_LINK is transient: the device's link drops one step's
+ * dispatch messages; receivers find the rows that did not arrive and the
+ * senders write them again.
+ * What holds: no request is lost, and every request's tokens are those of a
+ * run without faults (greedy and seeded sampling alike).  Only when no
+ * device of a needed role survives (prefill, decode attention, or experts)
+ * do the pending requests end with CM384_EV_ERROR and CM384_E_DEVICE, and
+ * later submissions are refused with it.  Each fault and its recovery are
+ * logged (info level), traced (on the device's track) and counted (stats,
+ * cm384_get_faults).  Thread-safe. */
+enum { CM384_FAULT_DEVICE = 0, CM384_FAULT_LINK = 1 };
+
+/* Fails `device` now (before the engine's next step).  CM384_E_INVALID for
+ * a bad device or kind, CM384_E_MISUSE for a device already dead. */
+CM384_API int  cm384_fail_device(cm384_engine *e, int device, int kind);
+
+/* The same, once the engine has run `step` steps (prefill steps plus decode
+ * steps, as cm384_stats counts them): a fault at a reproducible point of a
+ * run.  A fault whose step never comes never happens. */
+CM384_API int  cm384_fail_device_at(cm384_engine *e, int device, int kind, uint64_t step);
+
+typedef struct cm384_fault_info {
+    size_t   struct_size;         /* sizeof(cm384_fault_info)                     */
+    int      device, kind;        /* CM384_FAULT_*                                */
+    char     roles[48];           /* what the device was (cm384_device_roles)     */
+    uint64_t step;                /* engine steps run when it hit                 */
+    int      requests_readmitted; /* requests that lost KV or a queue place       */
+    uint64_t tokens_recomputed;
+    int      experts_replaced;    /* re-placed from the weights                   */
+    int      experts_failed_over; /* left to a surviving replica                  */
+    uint64_t messages_retried;    /* a link's dropped messages, sent again        */
+    double   recovery_ms;         /* fault -> every request it hit back where it
+                                     was (-1: still recovering)                   */
+    int      fatal;               /* a needed role had no device left             */
+} cm384_fault_info;
+
+/* The faults so far, oldest first: fills up to cap records (each honouring
+ * its struct_size) and returns how many there were. */
+CM384_API int  cm384_get_faults(cm384_engine *e, cm384_fault_info *out, int cap);
 
 /* A device's roles: "prefill", "attention", "expert", "shared", combinations
  * joined by '+', or "idle".  Static string; "" for a bad device. */

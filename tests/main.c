@@ -23,6 +23,7 @@
 #include "test_gguf.c"
 #include "test_project.c"
 #include "test_peers.c"
+#include "test_faults.c"
 
 static const struct {
     const char *name;
@@ -44,6 +45,7 @@ static const struct {
     {"gguf", test_main_gguf},
     {"project", test_main_project},
     {"peers", test_main_peers},
+    {"faults", test_main_faults},
 };
 
 int main(int argc, char **argv) {

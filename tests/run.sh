@@ -50,7 +50,7 @@ T="$B/cm384_tests"
     "$B/gen_synth" --preset tiny --dtype fp8 --set q_lora_rank=null --set num_hidden_layers=2 --set n_shared_experts=2 \
         -q "$B/models/fp8-q-plain" >/dev/null 2>&1 ||
     echo "   (could not generate $B/models/fp8-q-plain)"
-for t in tokenizer kernels golden loader engine alloc model api trust slo eplb gguf project peers; do
+for t in tokenizer kernels golden loader engine alloc model api trust slo eplb gguf project peers faults; do
     step "$t" "$T" $t
 done
 step "progress" "$T" progress "$B/models/fp8-q-plain"
@@ -66,10 +66,12 @@ step "asan+ubsan gguf" env CM384_QUICK=1 ASAN_OPTIONS=detect_leaks=1 "$B/asan/cm
 step "asan+ubsan model" env CM384_QUICK=1 ASAN_OPTIONS=detect_leaks=1 "$B/asan/cm384_tests" model
 step "asan+ubsan engine" env CM384_QUICK=1 ASAN_OPTIONS=detect_leaks=1 "$B/asan/cm384_tests" engine
 step "asan+ubsan peers" env CM384_QUICK=1 ASAN_OPTIONS=detect_leaks=1 "$B/asan/cm384_tests" peers
+step "asan+ubsan faults" env CM384_QUICK=1 ASAN_OPTIONS=detect_leaks=1 "$B/asan/cm384_tests" faults
 
 # threaded tests under ThreadSanitizer
 step "tsan engine" env CM384_QUICK=1 TSAN_OPTIONS="halt_on_error=1" "$B/tsan/cm384_tests" engine
 step "tsan peers" env CM384_QUICK=1 TSAN_OPTIONS="halt_on_error=1" "$B/tsan/cm384_tests" peers
+step "tsan faults" env CM384_QUICK=1 TSAN_OPTIONS="halt_on_error=1" "$B/tsan/cm384_tests" faults
 step "tsan kernels (pool)" env CM384_QUICK=1 TSAN_OPTIONS="halt_on_error=1" "$B/tsan/cm384_tests" kernels
 step "tsan slo" env TSAN_OPTIONS="halt_on_error=1" "$B/tsan/cm384_tests" slo
 
