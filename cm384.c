@@ -5385,6 +5385,7 @@ typedef struct device {
     int      n_owned;        /* decode requests it owns (attention)           */
     int      n_hosted;       /* routed expert replicas it hosts (decode)       */
     int      failed;         /* dead (section 12b): no role, no work           */
+    unsigned had_roles;      /* ... and what it was (its traffic's role)       */
 } device;
 
 /* Where each routed expert of each layer lives in one phase.  An entry is a
@@ -9715,6 +9716,7 @@ static void fault_apply(struct cm384_engine *e, int d, int kind, uint64_t step) 
     }
     unsigned roles = e->dev[d].roles;
     e->dev[d].failed = 1;
+    e->dev[d].had_roles = roles;
     const char *lost = NULL;
     /* prefill: its half-computed prompts start again on the others */
     if (fault_drop_from(e->pre_devs, &e->n_pre, d)) {
@@ -9808,7 +9810,8 @@ static void faults_apply_due(struct cm384_engine *e) {
 }
 
 /* run_phase's start and end: a link fault armed by fault_apply drops the
- * messages of the first step that starts after it, and only that step's. */
+ * messages of the first step that sends any over that link, and only that
+ * step's (a step that sends none passes it on to the next). */
 static void link_step_begin(struct cm384_engine *e, int phase) {
     if (atomic_load_explicit(&e->link_arm, memory_order_relaxed) < 0) return;
     int d = atomic_exchange(&e->link_arm, -1);
@@ -9819,9 +9822,15 @@ static void link_step_begin(struct cm384_engine *e, int phase) {
 }
 
 static void link_step_end(struct cm384_engine *e, int phase) {
-    if (atomic_load_explicit(&e->link_drop[phase], memory_order_relaxed) < 0) return;
+    int d = atomic_load_explicit(&e->link_drop[phase], memory_order_relaxed);
+    if (d < 0) return;
     atomic_store(&e->link_drop[phase], -1);
     uint64_t n = atomic_exchange(&e->link_retried[phase], 0);
+    if (!n && (e->dev[d].roles & (ROLE_PREFILL | ROLE_ATTN | ROLE_EXPERT | ROLE_SHARED)) && !e->dev[d].failed) {
+        e->link_arm_fault = e->link_fault[phase];          /* nothing crossed it this step: the next one */
+        atomic_store(&e->link_arm, d);
+        return;
+    }
     pthread_mutex_lock(&e->mu);
     fault_rec *f = &e->faults[e->link_fault[phase]];
     f->info.messages_retried += n;
@@ -10187,7 +10196,8 @@ int cm384_report(cm384_engine *e, char *buf, size_t cap) {
             for (int s = 0; s < e->n_dev; s++)
                 for (int d = 0; d < e->n_dev; d++) {
                     uint64_t v = atomic_load_explicit(&e->traffic[p][(size_t)s * e->n_dev + d], memory_order_relaxed);
-                    by[e->dev[s].roles & 31][e->dev[d].roles & 31] += v;
+                    const device *ds = &e->dev[s], *dd = &e->dev[d];     /* a dead device: what it was */
+                    by[(ds->failed ? ds->had_roles : ds->roles) & 31][(dd->failed ? dd->had_roles : dd->roles) & 31] += v;
                     any += v;
                 }
             if (!any) continue;
@@ -10238,7 +10248,8 @@ int cm384_report(cm384_engine *e, char *buf, size_t cap) {
                 for (int d = 0; d < e->n_dev; d++) if (!shown[d] && (best < 0 || busy[d] > busy[best])) best = d;
                 shown[best] = 1;
                 if (!busy[best]) break;
-                sb_printf(&b, "  device %3d %-18s %10.1f\n", best, role_name(e->dev[best].roles), busy[best] / 1e6);
+                sb_printf(&b, "  device %3d %-18s %10.1f\n", best, e->dev[best].failed ? "failed" : role_name(e->dev[best].roles),
+                          busy[best] / 1e6);
             }
             CM384_FREE(shown);
             CM384_FREE(busy);
@@ -10276,7 +10287,8 @@ static void trace_flush(struct cm384_engine *e) {
         } else if (!e->trace_named[ev->device]) {
             e->trace_named[ev->device] = 1;
             ok = fprintf(f, ",\n{\"name\":\"thread_name\",\"ph\":\"M\",\"pid\":0,\"tid\":%d,\"args\":{\"name\":\"device %d (%s)\"}}",
-                         ev->device, ev->device, role_name(e->dev[ev->device].roles)) >= 0;
+                         ev->device, ev->device, role_name(e->dev[ev->device].failed ? e->dev[ev->device].had_roles
+                                                                                     : e->dev[ev->device].roles)) >= 0;
         }
         ok &= fprintf(f, ",\n{\"name\":\"%s\",\"cat\":\"mb%d\",\"ph\":\"X\",\"pid\":0,\"tid\":%d,\"ts\":%.3f,\"dur\":%.3f,"
                          "\"args\":{\"layer\":%d,\"microbatch\":%d}}",

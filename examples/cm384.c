@@ -40,6 +40,8 @@ typedef struct opts {
     int         n_tokens, n_prompt, threads, devices, max_ctx, top, microbatches;
     int         requests, concurrency, tenants, top_k, eplb_period, arrivals, arrival_count;
     int         bf16_combine, time_shared;
+    struct { int device, kind; unsigned long long step; } fails[16];   /* --fail, in order */
+    int         n_fails;
     int         report, json, int8, int8_dispatch, mtp, bos, quiet, verbose, check_values, progress, no_warmup;
     double      temperature, top_p, min_p, shared_prefix, tpot_target;
     unsigned long long seed;
@@ -54,7 +56,7 @@ enum cmd {                                    /* one bit per command          */
 #define C_SAMPLE (C_RUN | C_CHAT | C_BENCH)                           /* generate        */
 #define C_ALL    (C_ENGINE | C_TOKENIZE | C_INFO | C_CONVERT)
 
-enum { O_FLAG, O_INT, O_U64, O_FLOAT, O_STR };
+enum { O_FLAG, O_INT, O_U64, O_FLOAT, O_STR, O_FAIL };
 
 typedef struct option {
     const char *name;
@@ -94,6 +96,7 @@ static const option options[] = {
     {"--no-bf16-combine", C_ENGINE, O_FLAG, F(bf16_combine), 0, 0, -1, NULL, "expert outputs return in fp32 (exact; the default)"},
     {"--time-shared", C_ENGINE, O_FLAG, F(time_shared), 0, 0, 1, NULL, "one loop runs a prefill step then a decode step, in turn (default: prefill and decode run as peers)"},
     {"--cache-dir", C_ENGINE, O_STR, F(cache_dir), 0, 0, 0, "DIR", "the context cache's disk tier: KV blocks kept in DIR across runs"},
+    {"--fail", C_SAMPLE, O_FAIL, F(n_fails), 0, 0, 0, "DEV@STEP[:KIND]", "device DEV fails once the engine has run STEP steps (KIND: device, the default, or link: one step's messages lost); repeatable"},
     {"--mtp", C_ENGINE, O_FLAG, F(mtp), 0, 0, 1, NULL, "speculative decoding with the MTP layer"},
     {"--kernels", C_ENGINE, O_STR, F(kernels), 0, 0, 0, "NAME", "kernel set (default: the best exact one for this CPU; avx512_bf16: native BF16 dot products, approximate)"},
     {"--no-warmup", C_BENCH, O_FLAG, F(no_warmup), 0, 0, 1, NULL, "time from a cold start (default: one untimed request of the same length first, as llama-bench warms up)"},
@@ -234,6 +237,33 @@ static int bad_usage(const command *c, const char *fmt, ...) {
 }
 
 /* Strict numbers: the whole text, in range; no spaces, no hex, no NaN. */
+/* --fail DEV@STEP[:KIND] */
+static int read_fail(const command *c, const char *s, opts *o) {
+    if (o->n_fails == (int)(sizeof o->fails / sizeof o->fails[0]))
+        return bad_usage(c, "--fail: at most %d faults", (int)(sizeof o->fails / sizeof o->fails[0]));
+    char *end;
+    errno = 0;
+    long dev = strtol(s, &end, 10);
+    if (end == s || *end != '@' || errno || dev < 0 || dev > 1000000)
+        return bad_usage(c, "--fail \"%s\": DEVICE@STEP[:device|link], e.g. 4@10 or 7@3:link", s);
+    const char *st = end + 1;
+    errno = 0;
+    unsigned long long step = strtoull(st, &end, 10);
+    if (end == st || *st == '-' || errno || (*end && *end != ':'))
+        return bad_usage(c, "--fail \"%s\": the step is a number of engine steps (DEVICE@STEP[:device|link])", s);
+    int kind = 0;
+    if (*end == ':') {
+        if (!strcmp(end + 1, "device")) kind = CM384_FAULT_DEVICE;
+        else if (!strcmp(end + 1, "link")) kind = CM384_FAULT_LINK;
+        else return bad_usage(c, "--fail \"%s\": the kind is device or link", s);
+    }
+    o->fails[o->n_fails].device = (int)dev;
+    o->fails[o->n_fails].kind = kind;
+    o->fails[o->n_fails].step = step;
+    o->n_fails++;
+    return 0;
+}
+
 static int read_number(const command *c, const option *p, const char *s, void *field) {
     char *end;
     errno = 0;
@@ -315,6 +345,7 @@ static int parse_args(const command *c, int argc, char **argv, opts *o) {
             val = argv[++i];
         }
         if (p->kind == O_STR) *(const char **)field = val;
+        else if (p->kind == O_FAIL) { if (read_fail(c, val, o)) return EXIT_USAGE; }
         else if (read_number(c, p, val, field)) return EXIT_USAGE;
     }
     if (o->n_args < c->min_args) return bad_usage(c, "missing %s", c->args);
@@ -402,7 +433,33 @@ static int make_engine(const opts *o, cm384_model *m, cm384_engine **e) {
     c.log_user = (void *)o;
     int r = cm384_engine_create(m, &c, e);
     if (r) return die("creating the engine", r);
+    for (int i = 0; i < o->n_fails; i++)
+        if ((r = cm384_fail_device_at(*e, o->fails[i].device, o->fails[i].kind, o->fails[i].step))) {
+            cm384_engine_free(*e);
+            *e = NULL;
+            return die("--fail", r);
+        }
     return 0;
+}
+
+/* After a run with --fail: what each fault took, and the ones whose step
+ * never came. */
+static void print_faults(const opts *o, cm384_engine *e) {
+    if (!o->n_fails) return;
+    cm384_fault_info fi[16];
+    for (int i = 0; i < 16; i++) fi[i].struct_size = sizeof fi[i];
+    int n = cm384_get_faults(e, fi, 16);
+    for (int i = 0; i < n && i < 16; i++)
+        fprintf(stderr, "fault: %s %d (%s) at step %llu: %d request%s re-admitted, %llu tokens recomputed, %d experts "
+                "re-placed, %d left to a replica, %llu messages retried; %s %.2f ms%s\n",
+                fi[i].kind == CM384_FAULT_LINK ? "link of device" : "device", fi[i].device, fi[i].roles,
+                (unsigned long long)fi[i].step, fi[i].requests_readmitted, fi[i].requests_readmitted == 1 ? "" : "s",
+                (unsigned long long)fi[i].tokens_recomputed, fi[i].experts_replaced, fi[i].experts_failed_over,
+                (unsigned long long)fi[i].messages_retried, fi[i].recovery_ms >= 0 ? "recovered in" : "still recovering after",
+                fi[i].recovery_ms >= 0 ? fi[i].recovery_ms : 0.0, fi[i].fatal ? "; FATAL: no device of a needed role is left" : "");
+    if (n < o->n_fails)
+        fprintf(stderr, "fault: %d of the %d faults asked for never happened (the run ended before their step)\n",
+                o->n_fails - n, o->n_fails);
 }
 
 static void sampling_from(const opts *o, cm384_sampling *s, int dflt_tokens) {
@@ -466,6 +523,7 @@ static int cmd_run(const opts *o) {
     int r = cm384_generate(e, prompt, NULL, 0, &s, print_event, &st);
     if (r) die("generating", r);
     if (o->report) { printf("\n"); if (print_report(e)) r = 1; }
+    print_faults(o, e);
     cm384_engine_free(e);
     cm384_model_free(m);
     return r ? EXIT_RUNTIME : 0;
@@ -823,6 +881,7 @@ static int bench_run(const opts *o, cm384_model *m, const bench_work *w, const c
     free(tpots);
     out->st.struct_size = sizeof out->st;
     cm384_get_stats(e, &out->st);
+    if (!o->json) print_faults(o, e);
     if (keep && !status) *keep = e;
     else cm384_engine_free(e);
     return status;

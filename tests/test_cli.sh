@@ -165,5 +165,22 @@ size=$(wc -c <"$tmp/nan/model-00002-of-00002.safetensors")
 printf '\377\377\377\377' | dd of="$tmp/nan/model-00002-of-00002.safetensors" bs=1 seek=$((size - 64)) conv=notrunc 2>/dev/null
 expect 1 "^cm384: loading the model: .*is not finite" "$CLI" info -m "$tmp/nan" --progress --check-values
 
+echo "faults (--fail):"
+expect 2 "--fail \"x@3\": DEVICE@STEP" "$CLI" run -m "$M" --fail x@3
+expect 2 "--fail \"3@-1\": the step" "$CLI" run -m "$M" --fail 3@-1
+expect 2 "--fail \"3@2:disk\": the kind is device or link" "$CLI" run -m "$M" --fail 3@2:disk
+expect 2 "--fail needs a value" "$CLI" run -m "$M" --fail
+expect 2 "--fail is not an option of eval" "$CLI" eval -m "$M" --fail 2@3 Hello
+expect 1 "no device 999" "$CLI" run -m "$M" -n 4 --fail 999@2 Hello
+# faults change no token: an attention, an expert and a prefill device, and a link
+"$CLI" run -m "$M" -n 40 -t 2 --temp 0.8 --seed 3 -p Hello >"$tmp/nofault" 2>/dev/null
+expect 0 "fault: device 2 \(attention\) at step 5: 1 request re-admitted" \
+    "$CLI" run -m "$M" -n 40 -t 2 --temp 0.8 --seed 3 --fail 2@5 --fail 4@8 --fail 0@12 --fail 5@9:link -p Hello
+if cmp -s "$out" "$tmp/nofault"; then ok; else bad "run --fail: other text than without faults"; fi
+if grep -q "link of device 5" "$err" && grep -q "device 0 (prefill)" "$err"; then ok; else bad "run --fail: faults not reported: $(cat "$err")"; fi
+# no attention device left: the request ends with the error, exit 1
+expect 1 "CM384_E_DEVICE.*FATAL|FATAL.*" "$CLI" run -m "$M" -n 40 -t 2 --fail 2@3 --fail 3@4 -p Hello
+expect 0 "1 of the 1 faults asked for never happened" "$CLI" run -m "$M" -n 4 -t 2 --fail 2@100000 -p Hello
+
 echo "cli: $passed passed, $failed failed"
 [ "$failed" -eq 0 ]
