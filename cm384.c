@@ -5909,7 +5909,7 @@ struct cm384_engine {
     double           *eplb_ld;               /* EPLB scratch, made with the topology */
     struct eplb_item *eplb_items;
     int              *eplb_used, *eplb_old;
-    uint64_t          weight_bytes[2];       /* weight bytes streamed per phase (stats) */
+    _Atomic uint64_t  weight_bytes[2];       /* weight bytes streamed per phase (stats; get_stats reads them mid-step) */
     _Atomic uint64_t  dispatch_bytes, dispatch_bytes_bf16, combine_bytes, combine_bytes_bf16, n_messages;
     _Atomic uint64_t  local_bytes;           /* rows a device wrote to itself: not fabric */
     _Atomic uint64_t  kv_handoff_bytes;      /* the RDMA plane                   */
@@ -6137,7 +6137,8 @@ static void op_mmq(op *o, region *rg, const gl_mat *w, const float *x, const int
     mm_job *jb = op_job(o);
     jb->w = w; jb->x = x; jb->xq = xq; jb->xs = xs; jb->ldx = ldx; jb->y = y; jb->ldy = ldy; jb->n = n;
     region_add_mm(rg, o->e->n_workers, jb, device);
-    o->e->weight_bytes[o->mb->phase == PHASE_DECODE] += (uint64_t)w->rows * (uint64_t)w->cols * gl_type_size(w->type);
+    atomic_fetch_add_explicit(&o->e->weight_bytes[o->mb->phase == PHASE_DECODE],
+                              (uint64_t)w->rows * (uint64_t)w->cols * gl_type_size(w->type), memory_order_relaxed);
 }
 
 /* y = W x over every device group's rows (x, xq, xs, y point at row 0).
@@ -7989,7 +7990,8 @@ void cm384_sampling_init(cm384_sampling *s) {
  * p99 factor from the ratio of measured to predicted times over the last
  * SLO_RING steps (per window of cycles: a request's TPOT is its mean).  A step that emits 1.7 tokens per request (MTP) counts as
  * 1.7 tokens, as the paper's TPOT does.  It never extrapolates far: the cap
- * grows an eighth (or one) past the largest batch it has measured, and only
+ * doubles past the largest batch it has measured while that batch is at
+ * half the target or less, and near the target grows an eighth (or one)
  * after measuring that batch for SLO_SETTLE cycles.  When even one
  * request cannot meet the target, the target is infeasible and is reported
  * as such (stats, log), not silently missed. */
@@ -8145,13 +8147,22 @@ static void slo_observe(slo_ctl *c, int batch, double ctx_mean, double prefill_t
  * prefill_per_req prefill tokens: a running batch of b requests that each
  * bring P prompt tokens for L generated ones makes room for b/L new
  * requests a cycle, b P/L prompt tokens (when they share the cores). */
-static int slo_choose(slo_ctl *c, double ctx_next, double prefill_fixed, double prefill_per_req, int max_batch) {
+static int slo_choose(slo_ctl *c, double ctx_next, double prefill_fixed, double prefill_per_req, int pipeline,
+                      int max_batch) {
     c->prefill_fixed = prefill_fixed;
     c->prefill_per_req = prefill_per_req;
     if (c->n_obs == 0) return c->cap;
-    /* explore one step past the largest batch measured, and only once that
-       batch has been measured for SLO_SETTLE cycles */
-    int reach = c->max_seen + (c->n_at_max >= SLO_SETTLE ? 1 + c->max_seen / 8 : 0);
+    /* explore past the largest batch measured once it has been measured for
+       SLO_SETTLE cycles: double it while it is predicted at half the target
+       or less (far from the edge, a wrong guess costs little), else one
+       eighth more.  Requests admitted but still in prefill (pipeline) will
+       join the batch: without room for them the batch measured could never
+       reach the cap. */
+    int reach = c->max_seen;
+    if (c->n_at_max >= SLO_SETTLE)
+        reach = c->max_seen > 0 && slo_tpot_p99(c, c->max_seen, ctx_next) * 2 <= c->target_ms
+              ? 2 * c->max_seen : c->max_seen + 1 + c->max_seen / 8;
+    reach += pipeline;
     if (reach < 1) reach = 1;
     if (reach > max_batch) reach = max_batch;
     int best = 0;
@@ -9018,7 +9029,10 @@ static int slo_admit_cap(struct cm384_engine *e, peer *D) {
         n++;
     }
     if (!n) return atomic_load(&D->decode_cap);
-    int cap = slo_choose(&D->slo, ctx / n, 0, per_req / n, e->sched->max_batch);
+    pthread_mutex_lock(&e->mu);
+    int pipeline = e->sched->n_batch - D->n_run;           /* admitted, still in prefill */
+    pthread_mutex_unlock(&e->mu);
+    int cap = slo_choose(&D->slo, ctx / n, 0, per_req / n, pipeline > 0 ? pipeline : 0, e->sched->max_batch);
     atomic_store(&D->decode_cap, cap);              /* prefill admits within it */
     if (D->slo.infeasible && !D->slo_warned) {       /* said once, and in the stats and report */
         D->slo_warned = 1;
@@ -9939,8 +9953,8 @@ int cm384_get_stats(cm384_engine *e, cm384_stats *out) {
     }
     st.decode_batch_cap = atomic_load(&D->decode_cap);
     st.slo_infeasible = D->slo.infeasible;
-    st.prefill_weight_bytes = e->weight_bytes[0];
-    st.decode_weight_bytes = e->weight_bytes[1];
+    st.prefill_weight_bytes = atomic_load_explicit(&e->weight_bytes[0], memory_order_relaxed);
+    st.decode_weight_bytes = atomic_load_explicit(&e->weight_bytes[1], memory_order_relaxed);
     /* decode rows on the routed-expert devices, layer by layer: a layer's
        dispatch waits for its busiest device */
     double sum_max = 0, sum_mean = 0;
@@ -10072,7 +10086,8 @@ void cm384_reset_stats(cm384_engine *e) {
     memset(e->busy, 0, (size_t)(e->n_workers + 1) * e->n_dev * sizeof(uint64_t));
     memset(e->dev_rows, 0, 2 * (size_t)e->n_dev * sizeof(uint64_t));
     memset(e->dev_rows_layer, 0, (size_t)(e->m->hp.n_layers + e->m->hp.n_mtp) * e->n_dev * sizeof(uint64_t));
-    e->weight_bytes[0] = e->weight_bytes[1] = 0;
+    atomic_store(&e->weight_bytes[0], 0);
+    atomic_store(&e->weight_bytes[1], 0);
     size_t n_load = (size_t)(e->m->hp.n_layers + e->m->hp.n_mtp) * (size_t)(e->m->hp.n_routed > 0 ? e->m->hp.n_routed : 1);
     memset(e->expert_load, 0, 2 * n_load * sizeof(uint64_t));
     memset(e->peers[LANE_DECODE].load_mark, 0, n_load * sizeof(uint64_t));

@@ -39,7 +39,7 @@ typedef struct opts {
     int         n_args;
     int         n_tokens, n_prompt, threads, devices, max_ctx, top, microbatches;
     int         requests, concurrency, tenants, top_k, eplb_period, arrivals, arrival_count;
-    int         bf16_combine, time_shared;
+    int         bf16_combine, time_shared, skewed;
     struct { int device, kind; unsigned long long step; } fails[16];   /* --fail, in order */
     int         n_fails;
     int         report, json, int8, int8_dispatch, mtp, bos, quiet, verbose, check_values, progress, no_warmup;
@@ -114,6 +114,7 @@ static const option options[] = {
     {"--tenants", C_BENCH, O_INT, F(tenants), 1, 100000, 0, "T", "context-cache tenants (default 1)"},
     {"--arrivals", C_BENCH, O_INT, F(arrivals), 0, 1 << 20, 0, "P", "prompts of P tokens keep arriving (one in flight, 1 token out each) while the requests decode"},
     {"--arrival-count", C_BENCH, O_INT, F(arrival_count), 1, 1000000, 0, "N", "stop the arrivals after N (default: when the requests end; 4 with --requests 0)"},
+    {"--skewed", C_BENCH, O_FLAG, F(skewed), 0, 0, 1, NULL, "every prompt repeats one 8-token phrase (routing concentrates on few experts: EPLB's case)"},
     {"--json", C_BENCH, O_FLAG, F(json), 0, 0, 1, NULL, "one JSON line instead of the report"},
     {"--slo", C_BENCH, O_STR, F(slo), 0, 0, 0, "MS,MS,...", "run the workload under each TPOT target (and with MTP when the model has it): the batch chosen, TPOT, tok/s"},
 };
@@ -968,6 +969,7 @@ static int cmd_bench(const opts *o) {
         for (int k = 0; k < P; k++) {
             rng = rng * 6364136223846793005ull + 1;
             rq[i].ids[k] = k < shared ? prefix[(size_t)(i % T) * shared + k] : 3 + (int)((rng >> 33) % (uint64_t)(V - 3));
+            if (o->skewed) rq[i].ids[k] = 3 + (int)((0x9e3779b9u * (unsigned)(k % 8 + 1)) % (unsigned)(V - 3));
         }
         if (bos >= 0) rq[i].ids[0] = bos;
         rq[i].cap_gaps = N;
@@ -1015,7 +1017,8 @@ static int cmd_bench(const opts *o) {
                "\"cache_hit_ratio\":%.4f,\"dispatch_bytes\":%llu,\"dispatch_bytes_bf16\":%llu,"
                "\"combine_bytes\":%llu,\"preempted\":%llu,\"mtp_drafted\":%llu,\"mtp_accepted\":%llu,"
                "\"mem_weight_bytes\":%llu,\"mem_kv_bytes\":%llu,\"mem_scratch_bytes\":%llu,\"mem_total_bytes\":%llu,"
-               "\"tokens_decoded\":%llu,\"decode_seconds\":%.4f,\"decode_weight_bytes\":%llu,\"decode_steps_weight_gbs\":%.2f,",
+               "\"tokens_decoded\":%llu,\"decode_seconds\":%.4f,\"decode_weight_bytes\":%llu,\"decode_steps_weight_gbs\":%.2f,"
+               "\"eplb_runs\":%llu,\"expert_load_max_over_mean\":%.3f,\"eplb_load_before\":%.3f,\"eplb_load_after\":%.3f,",
                o->model, P, N, R, C, st.n_workers, o->preset ? o->preset : "default", o->int8,
                st.dispatch_bytes < st.dispatch_bytes_bf16,   /* INT8 dispatch was in effect: fewer bytes than bf16 */ o->shared_prefix, t_load, wall, out_tok_s,
                st.prefill_tok_per_s, st.decode_tok_per_s, st.ttft_p50_ms, st.ttft_p99_ms, st.tpot_p50_ms,
@@ -1026,7 +1029,8 @@ static int cmd_bench(const opts *o) {
                (unsigned long long)st.mem_kv_bytes, (unsigned long long)st.mem_scratch_bytes,
                (unsigned long long)st.mem_total_bytes, (unsigned long long)st.tokens_decoded, st.decode_seconds,
                (unsigned long long)st.decode_weight_bytes,
-               st.decode_seconds > 0 ? (double)st.decode_weight_bytes / st.decode_seconds / 1e9 : 0.0);
+               st.decode_seconds > 0 ? (double)st.decode_weight_bytes / st.decode_seconds / 1e9 : 0.0,
+               (unsigned long long)st.eplb_runs, st.expert_load_max_over_mean, st.eplb_load_before, st.eplb_load_after);
         printf("\"time_shared\":%d,\"arrival_prompt\":%d,\"arrivals\":%d,\"arrival_tok_s\":%.2f,\"total_tok_s\":%.2f,"
                "\"itl_p50_ms\":%.3f,\"itl_p99_ms\":%.3f,\"req_tpot_p50_ms\":%.3f,\"req_tpot_p99_ms\":%.3f,"
                "\"decode_steps\":%llu,\"decode_steps_in_prefill\":%llu,\"cache_hits_pool\":%llu,\"cache_hits_disk\":%llu,"

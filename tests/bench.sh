@@ -11,6 +11,10 @@
 #   4. the supernode: decode scaling over 1/4/16/64 streams, the emulation
 #      tax (default topology vs one device), the paper preset, context cache
 #      and INT8 dispatch
+#   6-7. peers under arriving prompts; the context cache by tier
+#   8. the SLO controller: Table 4's shape (cm384 bench --slo)
+#   9. EPLB off and on over a skewed workload
+#  10. faults: what recovering from each kind took
 # Numbers are medians of RUNS runs (default 3); the machine is shared.
 # BENCH_MODELS="bench-S" limits the models; BENCH_QUICK=1 runs less.
 B=${B:-build}
@@ -20,7 +24,7 @@ M=$B/models
 CLI=$B/cm384
 MODELS=${BENCH_MODELS:-"bench-S bench-M v2lite4"}
 [ -n "$BENCH_QUICK" ] && RUNS=1
-SECTIONS=${BENCH_SECTIONS:-"1 2 3 4 5 6 7"}
+SECTIONS=${BENCH_SECTIONS:-"1 2 3 4 5 6 7 8 9 10"}
 want() { case " $SECTIONS " in *" $1 "*) return 0 ;; esac; return 1; }
 mkdir -p "$M"
 
@@ -229,5 +233,32 @@ rm -rf "$CD"
 echo "(none: every prefix its own; pool: one prefix shared in memory; disk: each request's prefix written by an earlier"
 echo " engine to --cache-dir and loaded by the caching loop; effective/s = prompt tokens served per second of prefill"
 echo " compute. The paper: x1.42 prefill throughput at 50% reuse, x2.28 at 90%.)"
+fi
+if want 8; then
+echo
+echo "== 8. the SLO controller on $(basename "$SS"): 64 requests x (16 + 256) tokens, all in flight (Table 4's shape)"
+$CLI bench -m "$SS" -p 16 -n 256 --requests 64 --concurrency 64 -t "$T" --slo 2,4,8,16 2>/dev/null
+echo "(the paper, Table 4, DeepSeek-R1 decode: 50 ms -> batch 96, 1,943 tok/s/NPU; 30 ms -> 974; 15 ms -> 538."
+echo " bench-S has random weights: MTP's drafts are rarely accepted, so MTP costs here what it buys there.)"
+fi
+if want 9; then
+echo
+echo "== 9. EPLB on $(basename "$SS"): 16 streams decoding prompts that repeat one phrase (routing skewed); medians of $RUNS"
+printf '%-6s | %14s %14s | %10s\n' EPLB "max/mean load" "re-placements" "decode/s"
+for p in -1 0; do
+    o=$(bench_median "expert_load_max_over_mean eplb_runs decode_tok_s" -m "$SS" --skewed -p 64 -n 256 --requests 16 \
+        --concurrency 16 -t "$T" --eplb-period $p)
+    set -- $o
+    printf '%-6s | %14s %14s | %10s\n' "$([ $p = -1 ] && echo off || echo on)" "$1" "$2" "$3"
+done
+echo "(max/mean: decode rows on the busiest routed-expert device over the mean, per layer; 1 = even.  Every device"
+echo " runs on the same $T cores here, so an even load buys little time: the real supernode's step waits for its busiest device.)"
+fi
+if want 10; then
+echo
+echo "== 10. faults on $(basename "$SS"): 16 requests, an expert, an attention and a prefill device fail, and a link drops"
+$CLI bench -m "$SS" -p 128 -n 64 --requests 16 --concurrency 16 -t "$T" --fail 4@6 --fail 2@12 --fail 0@3 --fail 5@9:link \
+    2>&1 >/dev/null | grep '^fault'
+echo "(recovery: from the fault until every request it hit is back where it was; tests/test_faults.c checks the tokens)"
 fi
 echo "load average at the end: $(cut -d' ' -f1-3 /proc/loadavg)"

@@ -275,7 +275,14 @@ static void ft_api(cm384_model *m, const ft_req *ref) {
     ft_req q[FT_REQ];
     uint64_t ids[FT_REQ];
     ft_submit_all(e, q, ids);
-    for (int k = 0; k < 200 && !q[0].n; k++) { struct timespec ts = {0, 1000000}; nanosleep(&ts, NULL); }
+    cm384_stats st;
+    memset(&st, 0, sizeof st);
+    st.struct_size = sizeof st;
+    for (int k = 0; k < 2000 && !st.tokens_decoded; k++) {    /* some decoding has happened (or it is over) */
+        struct timespec ts = {0, 1000000};
+        nanosleep(&ts, NULL);
+        cm384_get_stats(e, &st);
+    }
     CHECK(!cm384_fail_device(e, e->attn_devs[1], CM384_FAULT_DEVICE), "fail an attention device now");
     cm384_wait_all(e);
     ft_same(ref, q, "a fault mid-run");

@@ -69,7 +69,7 @@ static double slo_run(slo_ctl *c, slo_machine *m, int steps, int warm, int avail
     *violations = 0;
     for (int s = 0; s < steps; s++) {
         double ctx = ctx0 + (ctx1 - ctx0) * s / (steps > 1 ? steps - 1 : 1);
-        int cap = slo_choose(c, ctx, prefill, 0, max_batch);   /* this step's context is known */
+        int cap = slo_choose(c, ctx, prefill, 0, 0, max_batch);   /* this step's context is known */
         int batch = cap < avail ? cap : avail;
         double t = slo_true_time(m, batch, ctx, prefill) * slo_noise(m);
         slo_observe(c, batch, ctx, prefill, t, tpr);
