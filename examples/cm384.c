@@ -963,6 +963,7 @@ static int cmd_bench(const opts *o) {
         rng = rng * 6364136223846793005ull + 1;
         prefix[i] = 3 + (int)((rng >> 33) % (uint64_t)(V - 3));
     }
+    rng ^= (uint64_t)o->seed * 0x9e3779b97f4a7c15ull;      /* --seed: other suffixes after the same prefixes */
     for (int i = 0; !status && i < R; i++) {
         rq[i].n = P;
         if (!(rq[i].ids = malloc(sizeof(int32_t) * (size_t)P))) { status = die("bench", CM384_E_NOMEM); break; }
