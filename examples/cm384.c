@@ -95,7 +95,7 @@ static const option options[] = {
     {"--bf16-combine", C_ENGINE, O_FLAG, F(bf16_combine), 0, 0, 1, NULL, "expert outputs return in BF16 (an approximation; the paper preset's default)"},
     {"--no-bf16-combine", C_ENGINE, O_FLAG, F(bf16_combine), 0, 0, -1, NULL, "expert outputs return in fp32 (exact; the default)"},
     {"--time-shared", C_ENGINE, O_FLAG, F(time_shared), 0, 0, 1, NULL, "one loop runs a prefill step then a decode step, in turn (default: prefill and decode run as peers)"},
-    {"--cache-dir", C_ENGINE, O_STR, F(cache_dir), 0, 0, 0, "DIR", "the context cache's disk tier: KV blocks kept in DIR across runs"},
+    {"--cache-dir", C_ENGINE, O_STR, F(cache_dir), 0, 0, 0, "DIR", "the context cache's disk tier (KV blocks kept across runs) and, with --int8, the model cache (INT8 weights saved once, then mapped)"},
     {"--fail", C_SAMPLE, O_FAIL, F(n_fails), 0, 0, 0, "DEV@STEP[:KIND]", "device DEV fails once the engine has run STEP steps (KIND: device, the default, or link: one step's messages lost); repeatable"},
     {"--mtp", C_ENGINE, O_FLAG, F(mtp), 0, 0, 1, NULL, "speculative decoding with the MTP layer"},
     {"--kernels", C_ENGINE, O_STR, F(kernels), 0, 0, 0, "NAME", "kernel set (default: the best exact one for this CPU; avx512_bf16: native BF16 dot products, approximate)"},
@@ -400,6 +400,7 @@ static int load(const opts *o, cm384_model **m) {
     progress.force = o->progress;
     lo.check_values = o->check_values;
     lo.int8 = o->int8;
+    lo.cache_dir = o->int8 ? o->cache_dir : NULL;     /* the model cache: INT8 weights mapped from it, or saved there */
     int r = cm384_model_load(o->model, &lo, m);
     progress_end();
     if (r) return die("loading the model", r);

@@ -182,5 +182,12 @@ if grep -q "link of device 5" "$err" && grep -q "device 0 (prefill)" "$err"; the
 expect 1 "CM384_E_DEVICE.*FATAL|FATAL.*" "$CLI" run -m "$M" -n 40 -t 2 --fail 2@3 --fail 3@4 -p Hello
 expect 0 "1 of the 1 faults asked for never happened" "$CLI" run -m "$M" -n 4 -t 2 --fail 2@100000 -p Hello
 
+echo "model cache (--int8 --cache-dir):"
+expect 0 "" "$CLI" run -m "$M" -n 6 -t 1 --int8 --cache-dir "$tmp/mc" -p Hello
+cp "$out" "$tmp/mc_first"
+if ls "$tmp/mc"/*.q8 >/dev/null 2>&1 || ls "$tmp/mc"/*/*.q8 >/dev/null 2>&1; then ok; else bad "no INT8 model cache file in $tmp/mc: $(ls -R "$tmp/mc")"; fi
+expect 0 "" "$CLI" run -m "$M" -n 6 -t 1 --int8 --cache-dir "$tmp/mc" -p Hello
+if cmp -s "$out" "$tmp/mc_first"; then ok; else bad "the INT8 weights mapped from the model cache gave other text"; fi
+
 echo "cli: $passed passed, $failed failed"
 [ "$failed" -eq 0 ]
