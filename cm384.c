@@ -11358,7 +11358,9 @@ void cm384_proj_opts_from_config(cm384_proj_opts *o, const cm384_config *c) {
     o->microbatches = c->microbatches > 0 ? (c->microbatches >= 2 ? 2 : 1) : paper ? 2 : 1;
     o->mtp = c->mtp != 0;
     if (c->cache_bytes == (size_t)-1) o->cache_reuse = 0;
-    o->bf16_combine = 0;            /* the engine combines in fp32 */
+    /* bf16_combine: 0 is the preset's choice (on in the paper preset), 1 on, -1 off */
+    o->bf16_combine = c->struct_size >= offsetof(cm384_config, bf16_combine) + sizeof c->bf16_combine
+                    ? (c->bf16_combine == 0 ? paper : c->bf16_combine > 0) : paper;
     /* EPLB re-places the experts from measured load unless its period is -1 */
     o->eplb = c->struct_size >= offsetof(cm384_config, eplb_period) + sizeof c->eplb_period ? c->eplb_period >= 0 : 1;
 }

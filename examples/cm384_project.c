@@ -797,7 +797,6 @@ int cm384_cli_project(int argc, char **argv) {
                "max/mean %.2f over %d MoE layers\n", run.st.decode_tok_per_s, run.st.tpot_p50_ms, run.st.dispatch_bytes / 1e6,
                run.st.combine_bytes / 1e6, run.st.expert_load_max_over_mean, run.n_load_layers);
         cm384_proj_opts_from_config(&o.po, &c);
-        o.po.bf16_combine = 1;  /* priced as the paper combines until the engine has the switch */
         o.po.expert_load = run.load;
         o.po.load_layers = run.n_load_layers;
         o.po.load_experts = run.n_experts;
@@ -892,19 +891,19 @@ int cm384_cli_ablate(int argc, char **argv) {
                                      "- MTP", "- context cache", "- EPLB", "- INT8 W8A8"};
     static const char *paper[A_N] = {"", "7.5 KB vs ~14 KB messages", "(none reported)", "decode +5.8-9.4%, prefill +23-31%",
                                      "decode +6-49%", "prefill x1.42 (50% reuse)", "prefill +18%", "accuracy parity"};
-    int switchable[A_N] = {1, 1, 0, 1, 1, 1, 1, 1};   /* the engine has no bf16_combine switch yet */
+    int switchable[A_N] = {1, 1, 1, 1, 1, 1, 1, 1};
     /* a few requests in flight at a time, so later ones find their tenant's prefix cached */
     pj_workload w = {model, R, C < R ? C : R, P, N, 2, threads, shared, NULL, 1024};
     /* the exact reference: every approximation off, every schedule mechanism on */
     cm384_config ref;
     pj_paper_config(&ref, threads);
-    ref.int8 = 0; ref.int8_dispatch = 0;
+    ref.int8 = 0; ref.int8_dispatch = 0; ref.bf16_combine = -1;
     pj_result exact;
     printf("ablation: %s, %d requests x (%d prompt + %d generated) tokens, %d in flight, %d tenants sharing %.0f%% "
            "prefixes; projected: %s on CloudMatrix384, 4096/256, batch 96 per NPU\n", model, R, P, N, w.concurrency,
            w.tenants, 100 * shared, target);
     if (pj_run(m, &ref, &w, &exact)) { cm384_model_free(m); cm384_model_free(big); return 1; }
-    printf("exact reference (no INT8 anywhere): perplexity %.4f on the first 1024 tokens of val.txt, context-cache hit "
+    printf("exact reference (no INT8 anywhere, fp32 combine): perplexity %.4f on the first 1024 tokens of val.txt, context-cache hit "
            "ratio %.2f (the projection's reuse)\n\n", exact.ppl, exact.st.cache_hit_ratio);
     printf("%-22s | %-68s | %-44s | %s\n", "mechanism", "measured here: decode tok/s  TTFT p50  TPOT p50  fabric MB  tokens=exact  dPPL",
            "projected CM384: decode tok/s/NPU  TPOT  prefill", "paper");
@@ -914,6 +913,7 @@ int cm384_cli_ablate(int argc, char **argv) {
         cm384_config c;
         pj_paper_config(&c, threads);
         if (a == A_INT8_DISPATCH) c.int8_dispatch = 0;
+        if (a == A_BF16_COMBINE) c.bf16_combine = -1;
         if (a == A_MICRO) c.microbatches = 1;
         if (a == A_MTP) c.mtp = 0;
         if (a == A_CACHE) c.cache_bytes = (size_t)-1;
@@ -939,7 +939,6 @@ int cm384_cli_ablate(int argc, char **argv) {
         cm384_proj_opts po;
         cm384_proj_opts_init(&po);
         cm384_proj_opts_from_config(&po, &c);
-        po.bf16_combine = a != A_BF16_COMBINE;       /* priced at full scale even before the engine has it */
         po.prompt = 4096; po.output = 256; po.batch = 96;
         const pj_result *src = nrep ? &r : &exact;
         po.cache_reuse = a == A_CACHE ? 0 : exact.st.cache_hit_ratio;
