@@ -178,6 +178,7 @@ typedef struct pe_job {
     int32_t     prompt[256];
     int         n_prompt, max_tokens;
     int         out[64], n_out, finals, status, n_cached;
+    uint64_t    id;
 } pe_job;
 
 static int pe_on_event(void *user, const cm384_event *ev) {
@@ -202,7 +203,7 @@ static void pe_submit(cm384_engine *e, pe_job *j) {
     cm384_request_init(&rq);
     rq.ids = j->prompt; rq.n_ids = j->n_prompt; rq.sampling = &s;
     rq.on_event = pe_on_event; rq.user = j;
-    if (cm384_submit(e, &rq, NULL)) printf("  submit: %s\n", cm384_last_error());
+    if (cm384_submit(e, &rq, &j->id)) printf("  submit: %s\n", cm384_last_error());
 }
 
 static cm384_engine *pe_engine(cm384_model *m, const char *preset, int time_shared, int chunk) {
@@ -228,7 +229,7 @@ static void pe_arrivals(cm384_model *m) {
         pe_job *j = &ref[i];
         memset(j, 0, sizeof *j);
         j->n_prompt = i < ND ? 4 + i : 200 + 10 * (i - ND);          /* the long ones: one chunk each */
-        j->max_tokens = i < ND ? 48 : 3;
+        j->max_tokens = i < ND ? 160 : 3;               /* decoders outlast the long prompts by a wide margin */
         for (int t = 0; t < j->n_prompt; t++) { r = r * 6364136223846793005ull + 1; j->prompt[t] = t ? 3 + (int)((r >> 33) % 1000) : 0; }
     }
     cm384_engine *e = pe_engine(m, "single", 1, 256);
@@ -289,13 +290,18 @@ static void pe_trace_overlap(cm384_model *m) {
     for (int i = 0; i < 6; i++) {
         memset(&jobs[i], 0, sizeof jobs[i]);
         jobs[i].n_prompt = i < 4 ? 6 : 220;
-        jobs[i].max_tokens = i < 4 ? 64 : 2;
+        jobs[i].max_tokens = i < 4 ? 240 : 2;      /* the short ones decode until they are cancelled */
         for (int t = 0; t < jobs[i].n_prompt; t++) jobs[i].prompt[t] = t ? 3 + (t * 31 + i) % 1000 : 0;
     }
     for (int i = 0; i < 4; i++) pe_submit(e, &jobs[i]);
     for (int spins = 0; spins < 100000 && __atomic_load_n(&jobs[3].n_out, __ATOMIC_SEQ_CST) < 2; spins++) usleep(200);
     pe_submit(e, &jobs[4]);
     pe_submit(e, &jobs[5]);
+    /* the decoding requests outlast the long prompts' prefill, however the
+       threads are scheduled: they are cancelled only once those are done */
+    cm384_wait(e, jobs[4].id, -1);
+    cm384_wait(e, jobs[5].id, -1);
+    for (int i = 0; i < 4; i++) cm384_cancel(e, jobs[i].id);
     cm384_wait_all(e);
     /* the events, before the engine writes them out */
     /* steps on the peers' tracks: a decode step the counters saw inside a
