@@ -54,9 +54,9 @@
  *     cm384_engine_free() or cm384_wait(), nor the calls that pause the
  *     loops to read their state (cm384_get_stats, cm384_report,
  *     cm384_get_expert_load, cm384_get_device_busy, cm384_get_device_rows,
- *     cm384_device_roles,
- *     cm384_reset_stats): its loop is inside a step.  It may call
- *     cm384_submit(), cm384_cancel() and cm384_fail_device[_at]().
+ *     cm384_device_roles, cm384_reset_stats): its loop is inside a step.
+ *     It may call cm384_submit(), cm384_cancel() and
+ *     cm384_fail_device[_at]().
  *   - Memory passed in (prompts, ids, configs) is copied before the call
  *     returns.  Memory passed out in events is valid only during the callback.
  *   - The library never prints, never calls exit() or abort() on bad input and
