@@ -3969,6 +3969,18 @@ static int derive_mat(cm384_model *m, const gl_mat *src, int row0, int rows, int
     return CM384_OK;
 }
 
+/* The layer table and the RoPE frequencies, from the hyper-parameters
+ * (both loaders, before they bind the layers). */
+static int model_alloc_layers(cm384_model *m) {
+    const hparams *hp = &m->hp;
+    int nl = hp->n_layers + hp->n_mtp;
+    m->layers = arena_alloc(&m->a, (size_t)nl * sizeof(layer_w));
+    m->rope_freq = arena_alloc(&m->a, (size_t)(hp->qk_rope / 2) * sizeof(float));
+    if (!m->layers || !m->rope_freq) return fail(CM384_E_NOMEM, "out of memory");
+    memset(m->layers, 0, (size_t)nl * sizeof(layer_w));
+    return CM384_OK;
+}
+
 static int bind_layer(cm384_model *m, int l) {
     const hparams *hp = &m->hp;
     layer_w *L = &m->layers[l];
@@ -4228,10 +4240,7 @@ static int model_load_dir(cm384_model *m, const char *dir, const cm384_load_opts
     if (!m->head.data) m->head = m->embed;
     m->main_dtype = m->embed.type;
     int nl = hp->n_layers + hp->n_mtp;
-    m->layers = arena_alloc(&m->a, (size_t)nl * sizeof(layer_w));
-    m->rope_freq = arena_alloc(&m->a, (size_t)(hp->qk_rope / 2) * sizeof(float));
-    if (!m->layers || !m->rope_freq) return fail(CM384_E_NOMEM, "out of memory");
-    memset(m->layers, 0, (size_t)nl * sizeof(layer_w));
+    if ((r = model_alloc_layers(m))) return r;
     for (int l = 0; l < nl; l++) {
         m->binding_mtp = l >= hp->n_layers;
         if ((r = bind_layer(m, l))) return r;
@@ -4709,10 +4718,7 @@ static int model_load_gguf(cm384_model *m, const char *path, const cm384_load_op
     if (!m->head.data) m->head = m->embed;
     m->main_dtype = m->embed.type;
     int nl = hp->n_layers + hp->n_mtp;
-    m->layers = arena_alloc(&m->a, (size_t)nl * sizeof(layer_w));
-    m->rope_freq = arena_alloc(&m->a, (size_t)(hp->qk_rope / 2) * sizeof(float));
-    if (!m->layers || !m->rope_freq) return fail(CM384_E_NOMEM, "out of memory");
-    memset(m->layers, 0, (size_t)nl * sizeof(layer_w));
+    if ((r = model_alloc_layers(m))) return r;
     for (int l = 0; l < nl; l++) {
         m->binding_mtp = l >= hp->n_layers;
         if ((r = bind_layer_gguf(m, l))) return r;
