@@ -126,11 +126,12 @@ FUZZ_FLAGS := -std=c11 -Wall -Wextra -pthread $(SAN) -DCM384_ARENA_CHUNK=0 \
 $(B)/fuzz:
 	@mkdir -p $@
 
-$(B)/fuzz/cm384_fuzz: $(wildcard tests/fuzz/*.c tests/fuzz/*.h) $(SRC) | $(B)/fuzz
+$(B)/fuzz/cm384_fuzz: $(wildcard tests/fuzz/*.c tests/fuzz/*.h) tests/fuzz/coverage.ignore $(SRC) | $(B)/fuzz
 	@if echo 'int LLVMFuzzerTestOneInput(const char *d, unsigned long n) { return d && n; }' | \
 	    $(FUZZ_CC) -x c - -fsanitize=fuzzer -o $(B)/fuzz/probe >/dev/null 2>&1; then \
 	    echo "$(FUZZ_CC) -fsanitize=fuzzer,address,undefined tests/fuzz/fuzz_main.c -o $@"; \
-	    $(FUZZ_CC) $(FUZZ_FLAGS) -fsanitize=fuzzer tests/fuzz/fuzz_main.c -o $@ $(LDLIBS); \
+	    $(FUZZ_CC) $(FUZZ_FLAGS) -fsanitize=fuzzer -fsanitize-coverage-ignorelist=tests/fuzz/coverage.ignore \
+	        tests/fuzz/fuzz_main.c -o $@ $(LDLIBS); \
 	else \
 	    echo "no libFuzzer ($(FUZZ_CC) -fsanitize=fuzzer does not link): standalone harnesses"; \
 	    $(CC) $(FUZZ_FLAGS) -DCM384_FUZZ_STANDALONE tests/fuzz/fuzz_main.c -o $@ $(LDLIBS); \

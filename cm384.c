@@ -10437,6 +10437,9 @@ static int config_resolve(cm384_config *c, const hparams *hp, const char *preset
     if (c->max_batch == 0) c->max_batch = 64;
     if (c->kv_block_tokens == 0) c->kv_block_tokens = 16;
     if (c->prefill_chunk == 0) c->prefill_chunk = 512;
+    /* a step never holds more prompt than every request's context: no
+     * scratch for tokens that cannot exist */
+    if ((long long)c->prefill_chunk > (long long)c->max_batch * c->max_ctx) c->prefill_chunk = c->max_batch * c->max_ctx;
     if (c->microbatches == 0) c->microbatches = paper ? 2 : 1;
     if (c->int8_dispatch < 0) c->int8_dispatch = paper;     /* an approximation: only the paper preset's default */
     if (c->eplb_period == 0) c->eplb_period = 32;

@@ -367,7 +367,7 @@ typedef struct cm384_config {
     size_t       cache_bytes;      /* context-cache budget inside the pool
                                       (0 = half the pool; (size_t)-1 = off)          */
     int          prefill_chunk;    /* max prompt tokens per prefill step, 1..65536
-                                      (0 = 512)                                      */
+                                      (0 = 512; never above max_batch x max_ctx)     */
     /* mechanisms, each switchable */
     int          int8;             /* 1: W8A8 -- weights int8 per output channel
                                       (made once per model, shared by its engines),

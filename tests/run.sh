@@ -148,14 +148,6 @@ fuzz_replay() {
 }
 step "fuzz_server: replay the seeds (ASan+UBSan)" fuzz_replay
 
-# the GGUF loader on its seeds and 500 mutations of each, under ASan+UBSan
-# (a campaign: clang -fsanitize=fuzzer, see tests/fuzz/fuzz_gguf.c)
-fuzz_gguf_replay() {
-    $CC -std=c11 -O1 -g -pthread -fsanitize=address,undefined -fno-sanitize-recover=undefined \
-        -DFUZZ_REPLAY tests/fuzz/fuzz_gguf.c -o "$B/fuzz_gguf_replay" -lm &&
-        "$B/fuzz_gguf_replay" -runs=500 tests/fuzz/corpus/gguf/*
-}
-step "fuzz_gguf: seeds and mutations (ASan+UBSan)" fuzz_gguf_replay
 step "gcc -Wall -Wextra -Werror examples/server.c" gcc -std=c11 -O2 -Wall -Wextra -Werror -pthread -c examples/server.c -o "$B/check_server_gcc.o"
 if command -v clang >/dev/null 2>&1; then
     step "clang -Wall -Wextra -Werror examples/server.c" clang -std=c11 -O2 -Wall -Wextra -Werror -pthread -c examples/server.c -o "$B/check_server_clang.o"

@@ -24,6 +24,7 @@
 #include "fuzz_chat.c"
 #include "fuzz_request.c"
 #include "fuzz_kv_block.c"
+#include "fuzz_gguf.c"
 
 /* name, the harness, its one-time set-up (may be NULL), runs in `make test` */
 static const struct fuzz_target {
@@ -42,6 +43,7 @@ static const struct fuzz_target {
     {"chat", fuzz_chat, fuzz_chat_init, 5000},
     {"request", fuzz_request, fuzz_request_init, 1000},
     {"kv_block", fuzz_kv_block, NULL, 20000},
+    {"gguf", fuzz_gguf, NULL, 1000},
 };
 #define N_FUZZ_TARGETS (int)(sizeof fuzz_targets / sizeof fuzz_targets[0])
 
