@@ -15,6 +15,7 @@
 #   8. the SLO controller: Table 4's shape (cm384 bench --slo)
 #   9. EPLB off and on over a skewed workload
 #  10. faults: what recovering from each kind took
+#  11. MTP: acceptance, tokens per step and the cost of a step with a draft
 # Numbers are medians of RUNS runs (default 3); the machine is shared.
 # BENCH_MODELS="bench-S" limits the models; BENCH_QUICK=1 runs less.
 B=${B:-build}
@@ -24,7 +25,7 @@ M=$B/models
 CLI=$B/cm384
 MODELS=${BENCH_MODELS:-"bench-S bench-M v2lite4"}
 [ -n "$BENCH_QUICK" ] && RUNS=1
-SECTIONS=${BENCH_SECTIONS:-"1 2 3 4 5 6 7 8 9 10"}
+SECTIONS=${BENCH_SECTIONS:-"1 2 3 4 5 6 7 8 9 10 11"}
 want() { case " $SECTIONS " in *" $1 "*) return 0 ;; esac; return 1; }
 mkdir -p "$M"
 
@@ -260,5 +261,25 @@ echo "== 10. faults on $(basename "$SS"): 16 requests, an expert, an attention a
 $CLI bench -m "$SS" -p 128 -n 64 --requests 16 --concurrency 16 -t "$T" --fail 4@6 --fail 2@12 --fail 0@3 --fail 5@9:link \
     2>&1 >/dev/null | grep '^fault'
 echo "(recovery: from the fault until every request it hit is back where it was; tests/test_faults.c checks the tokens)"
+fi
+if want 11; then
+echo
+echo "== 11. MTP speculative decoding, 1 stream, 256 tokens: plain against --mtp, in the same run; medians of $RUNS"
+printf '%-11s %-5s | %9s %9s | %8s %9s %10s %12s\n' model dtype "plain/s" "mtp/s" accepted "tok/step" "step cost" "mtp x plain"
+for spec in bench-M:int8 bench-M:bf16 shakespeare:bf16; do
+    name=${spec%%:*}; q=${spec#*:}
+    dir=$M/$name; [ "$name" = shakespeare ] && dir=models/shakespeare
+    [ -f "$dir/config.json" ] || continue
+    flag=""; [ "$q" = int8 ] && flag="--int8"
+    p0=$(bench_median "decode_tok_s" -m "$dir" -p 16 -n 256 --requests 1 -t "$T" $flag)
+    set -- $(bench_median "decode_tok_s mtp_drafted mtp_accepted decode_steps" -m "$dir" -p 16 -n 256 --requests 1 -t "$T" $flag --mtp)
+    awk -v name="$name" -v q="$q" -v p0="$p0" -v p1="$1" -v dr="$2" -v ac="$3" -v st="$4" 'BEGIN {
+        tps = st > 0 ? 1 + ac / st : 1                  # a step emits its token, and the draft when accepted
+        cost = p1 > 0 ? tps * p0 / p1 : 0               # time of a step with a draft / a plain step
+        printf "%-11s %-5s | %9.1f %9.1f | %7.1f%% %9.2f %9.2fx %11.2fx\n", name, q, p0, p1, (dr > 0 ? 100 * ac / dr : 0), tps, cost, (p0 > 0 ? p1 / p0 : 0) }'
+done
+echo "(step cost: a decode step that verifies a draft and runs the MTP layer, against a plain step, from tok/s and tokens"
+echo " per step.  bench-M's weights are random: its drafts are almost never accepted.  Target: step cost <= 1.25x, and"
+echo " MTP a net gain on the trained model (the paper: +6% to +49% at about 70% acceptance).)"
 fi
 echo "load average at the end: $(cut -d' ' -f1-3 /proc/loadavg)"

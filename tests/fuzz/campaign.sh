@@ -8,7 +8,9 @@
 # build/fuzz/crash-NAME-*; each harness's output is in
 # build/fuzz/campaign-NAME.log, and one line per harness (executions,
 # seconds, exit status, crash files) is printed and appended to
-# build/fuzz/campaign.txt.
+# build/fuzz/campaign.txt.  FUZZ_TIMEOUT (default 60 s) is the per-input
+# timeout; it runs on the wall clock, so raise it if you will pause the
+# campaign (kill -STOP) for longer.
 B=${B:-build}
 BIN=${FUZZ_BIN:-$B/fuzz/cm384_fuzz}
 RUNS=${1:-10000000}
@@ -21,7 +23,7 @@ one() {
     mkdir -p "$B/fuzz/corpus-$name"
     log="$B/fuzz/campaign-$name.log"
     t0=$(date +%s)
-    nice -n 10 "$BIN" -target="$name" -runs="$RUNS" -timeout=60 -rss_limit_mb=4096 -print_final_stats=1 \
+    nice -n 10 "$BIN" -target="$name" -runs="$RUNS" -timeout="${FUZZ_TIMEOUT:-60}" -rss_limit_mb=4096 -print_final_stats=1 \
         -artifact_prefix="$B/fuzz/crash-$name-" "$B/fuzz/corpus-$name" "tests/fuzz/corpus/$name" >"$log" 2>&1
     rc=$?
     execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -n 1)
