@@ -5901,6 +5901,8 @@ struct cm384_engine {
     int               max_ctx;
     double          (*dbg_cycle_ms)(void *user, int batch, double ctx_mean, double prefill_tokens);
     void             *dbg_cycle_user;        /* tests: a virtual clock for the SLO controller */
+    double          (*dbg_step_ms)(void *user, int rows, int requests, int mtp);   /* tests: the MTP
+                                                gate's clock (mtp 0: a step's main model, 1: its MTP layer) */
     /* fabric and counters */
     _Atomic uint64_t *traffic[3];            /* per plane (PLANE_*): [n_dev][n_dev] bytes */
     uint64_t         *busy;                  /* [workers][n_dev] ns             */
@@ -7883,12 +7885,13 @@ static void forward_main(struct cm384_engine *e, region *rg, microbatch *mb, int
 /* The MTP module over one microbatch whose tok[] are the next tokens and
  * h_in the main model's final-normed hidden rows. */
 static void forward_mtp(struct cm384_engine *e, region *rg, microbatch *mb, const float *h_in) {
-    int l = e->m->hp.n_layers;
+    int l = e->m->hp.n_layers, wanted = !mb->want;                 /* no list: every row */
+    for (int i = 0; !wanted && i < mb->n; i++) wanted = mb->want[i];
     op o;
     op_init(&o, e, mb, OP_MTP_IN, l); o.h_in = h_in; run_ops(rg, &o, NULL);
     op_init(&o, e, mb, OP_ATTN, l); run_ops(rg, &o, NULL);
     op_init(&o, e, mb, OP_FFN, l); run_ops(rg, &o, NULL);
-    op_init(&o, e, mb, OP_HEAD, l); run_ops(rg, &o, NULL);
+    if (wanted) { op_init(&o, e, mb, OP_HEAD, l); run_ops(rg, &o, NULL); }   /* no draft wanted: no head */
 }
 
 /* Fills the groups of a microbatch whose tokens are already ordered by
@@ -8256,12 +8259,21 @@ struct request {
     int                drafting;      /* this step verifies the draft                */
     int                accepted, sampled2;
     int                mtp_done;      /* MTP entries 0..mtp_done-1 are computed      */
-    float             *h_prev;        /* [dim] final hidden of position n_computed-1 */
+    float             *h_ring;        /* [MTP_RING][dim] final hidden of positions not
+                                         yet through the MTP layer: p at slot p % MTP_RING */
     /* faults (section 12b) */
     int                fault;         /* 1 + the fault that took its KV, 0: none     */
     int                fault_counted; /* its recomputed tokens are counted           */
     int                fatal;         /* ended by a fault that left no device        */
 };
+
+/* MTP: a request's final hidden states wait in a ring until the MTP layer
+ * takes them (position p at slot p % MTP_RING); a decode step that does not
+ * draft next leaves them there, and the backlog never reaches MTP_RING. */
+#define MTP_RING 64
+static float *mtp_h_slot(const struct cm384_engine *e, request *r, int pos) {
+    return r->h_ring + (size_t)(pos % MTP_RING) * (size_t)e->m->hp.dim;
+}
 
 /* section 12b */
 static void fault_request_back(struct cm384_engine *e, request *r);
@@ -8324,14 +8336,22 @@ typedef struct peer {
     int             slo_warned;    /* the infeasible target was logged             */
     uint64_t       *load_mark;     /* decode expert load at the last rebalance     */
     int             steps_since_rebalance;
+    /* decode's MTP gate: draft while a drafting step's tokens pay for its cost */
+    double          mtp_t1, mtp_t2, mtp_tm;   /* ms per request: a step of one row, of two
+                                                 (the draft), the MTP layer's drafting (EWMA) */
+    double          mtp_acc;                   /* drafts accepted (EWMA)                   */
+    int             mtp_n1, mtp_n2, mtp_nm;    /* measurements of each                      */
+    int             mtp_since_probe;           /* plain steps since the last draft          */
+    int             mtp_probe_every;           /* the next try after that many (16 .. 256)  */
 } peer;
+
 
 static void request_free(request *r) {
     if (!r) return;
     CM384_FREE(r->tokens);
     CM384_FREE(r->blocks);
     CM384_FREE(r->text);
-    CM384_FREE(r->h_prev);
+    CM384_FREE(r->h_ring);
     CM384_FREE(r);
 }
 
@@ -8567,7 +8587,8 @@ static int admit(struct cm384_engine *e, peer *P, request *r) {
     r->chain = parent;
     if (e->mtp && matched) {            /* entries up to the cached prefix's end, but its last */
         r->mtp_done = matched * B - 1;
-        memcpy(r->h_prev, e->blk_h + (size_t)r->blocks[matched - 1] * e->m->hp.dim, (size_t)e->m->hp.dim * sizeof(float));
+        memcpy(mtp_h_slot(e, r, r->mtp_done), e->blk_h + (size_t)r->blocks[matched - 1] * e->m->hp.dim,
+               (size_t)e->m->hp.dim * sizeof(float));
     }
     if (!r->admitted) {
         r->n_cached = matched * B;
@@ -8782,10 +8803,28 @@ static void mtp_flush(struct cm384_engine *e, peer *P) {
     P->mtp_w = 0;
 }
 
-/* Brings request r's MTP entries up to n_computed - 1; `first` is the first
- * position this step computed (its h is in hbuf at r->row_first). */
-static void mtp_add(struct cm384_engine *e, peer *P, request *r, int first) {
-    int D = e->m->hp.dim, last = r->n_computed - 1;
+/* Keeps h of the positions this step computed (block ends for the
+ * cache), then brings request r's MTP entries up to n_computed - 1 when
+ * `draft` (the last entry's prediction is the next step's draft) or when the
+ * ring is about to fill or a block is full; otherwise the entries wait in
+ * the ring -- they are the MTP layer's KV, needed before the next draft or
+ * when their block goes to the context cache, not before.  `first` is
+ * the first position this step computed (its h is in hbuf at r->row_first). */
+static void mtp_add(struct cm384_engine *e, peer *P, request *r, int first, int draft) {
+    int D = e->m->hp.dim, last = r->n_computed - 1, B = e->kv.block_tokens;
+    for (int pos = first; pos <= last; pos++) {
+        const float *h = P->hbuf + ((size_t)r->row_first + (pos - first)) * D;
+        if (pos % B == B - 1) memcpy(e->blk_h + (size_t)r->blocks[pos / B] * D, h, (size_t)D * sizeof(float));
+    }
+    r->draft = -1;
+    /* wait (keeping their h) unless the ring is about to fill or a block is
+     * full: a full block goes to the context cache, and holds every layer's
+     * rows, the MTP layer's too (entry p writes its slot p + 1) */
+    if (!draft && last + 1 - r->mtp_done < MTP_RING - 2 && (r->n_computed / B) * B <= r->mtp_done + 1) {
+        for (int pos = first > r->mtp_done ? first : r->mtp_done; pos <= last; pos++)
+            memcpy(mtp_h_slot(e, r, pos), P->hbuf + ((size_t)r->row_first + (pos - first)) * D, (size_t)D * sizeof(float));
+        return;
+    }
     for (int pos = r->mtp_done; pos <= last; pos++) {
         if (P->mtp_n == P->step_cap || (P->mtp_w == P->rows_cap && pos == last)) mtp_flush(e, P);
         int i = P->mtp_n++;
@@ -8793,28 +8832,68 @@ static void mtp_add(struct cm384_engine *e, peer *P, request *r, int first) {
         a->tok[i] = r->tokens[pos + 1];
         a->pos[i] = pos;
         a->tables[i] = r->blocks;
-        a->want[i] = pos == last;
+        a->want[i] = draft && pos == last;
         P->dev_of[i] = r->device;
         P->mtp_req[i] = r;
         if (a->want[i]) P->mtp_want_row[i] = P->mtp_w++;
-        const float *h = pos >= first ? P->hbuf + ((size_t)r->row_first + (pos - first)) * D : r->h_prev;
+        const float *h = pos >= first ? P->hbuf + ((size_t)r->row_first + (pos - first)) * D : mtp_h_slot(e, r, pos);
         memcpy(P->mtp_h + (size_t)i * D, h, (size_t)D * sizeof(float));
     }
     r->mtp_done = last + 1;
-    /* remember h of the last computed position, and of block ends for the cache */
-    int B = e->kv.block_tokens;
-    for (int pos = first; pos <= last; pos++) {
-        const float *h = P->hbuf + ((size_t)r->row_first + (pos - first)) * D;
-        if (pos % B == B - 1) memcpy(e->blk_h + (size_t)r->blocks[pos / B] * D, h, (size_t)D * sizeof(float));
-        if (pos == last) memcpy(r->h_prev, h, (size_t)D * sizeof(float));
-    }
 }
 
 /* Runs the MTP entries of the requests a step touched, device by device. */
-static void mtp_step(struct cm384_engine *e, peer *P, request **rq, const int *first, int nr) {
+static void mtp_step(struct cm384_engine *e, peer *P, request **rq, const int *first, int nr, int draft) {
     for (int dev = 0; dev < e->n_dev; dev++)
-        for (int i = 0; i < nr; i++) if (rq[i]->device == dev) mtp_add(e, P, rq[i], first[i]);
+        for (int i = 0; i < nr; i++) if (rq[i]->device == dev) mtp_add(e, P, rq[i], first[i], draft);
     mtp_flush(e, P);
+}
+
+/* The MTP gate (config.mtp = 1): a decode step that verifies a draft costs
+ * more than a plain one -- the draft's row reads its own experts, and the
+ * MTP layer and its head run after the step -- and pays back 1 + the
+ * acceptance in tokens.  Decode drafts while (1 + acceptance) x plain step
+ * > drafting step + MTP layer, from what its own steps measured, and when it
+ * stops it tries again after MTP_PROBE steps, then twice as many each time
+ * drafting still does not pay (up to 16 x); while it drafts, one step in
+ * MTP_PROBE is plain.  Both costs and the acceptance stay current at little
+ * cost.  Tokens do not depend on it (a draft is accepted only when
+ * it is the token sampled anyway).  config.mtp = 2 drafts every step. */
+#define MTP_PROBE 16
+#define MTP_EWMA 0.2
+
+/* A running estimate of a step's time on a shared machine, where noise only
+ * ever adds time: the least of the first four, then a moving average that
+ * takes at most twice the estimate from any one step. */
+static void mtp_ewma(double *v, int *n, double x) {
+    if (*n == 0 || (*n < 4 && x < *v)) *v = x;
+    else if (*n >= 4) *v = (1 - MTP_EWMA) * *v + MTP_EWMA * (x < 2 * *v ? x : 2 * *v);
+    (*n)++;
+}
+
+/* After a step's main model and sampling (main_ms): does the next step draft? */
+static int mtp_gate(struct cm384_engine *e, peer *D, int nr, int drafted, int accepted, double main_ms) {
+    if (e->cfg.mtp == 2) return 1;
+    if (drafted) {
+        mtp_ewma(&D->mtp_t2, &D->mtp_n2, main_ms / nr);
+        double a = (double)accepted / drafted;
+        D->mtp_acc = D->mtp_n2 == 1 ? a : (1 - MTP_EWMA) * D->mtp_acc + MTP_EWMA * a;
+    } else mtp_ewma(&D->mtp_t1, &D->mtp_n1, main_ms / nr);
+    if (D->mtp_n2 < 4 || D->mtp_nm < 4) return 1;                  /* learn both costs first */
+    if (D->mtp_n1 < 4) return 0;
+    if ((1 + D->mtp_acc) * D->mtp_t1 > D->mtp_t2 + D->mtp_tm) {
+        D->mtp_probe_every = MTP_PROBE;
+        if (++D->mtp_since_probe < MTP_PROBE) return 1;
+        D->mtp_since_probe = 0;                                 /* a plain step now and then keeps t1 current */
+        return 0;
+    }
+    if (D->mtp_probe_every < MTP_PROBE) D->mtp_probe_every = MTP_PROBE;
+    if (++D->mtp_since_probe >= D->mtp_probe_every) {         /* try again, and wait longer each time it fails */
+        D->mtp_since_probe = 0;
+        if (D->mtp_probe_every < 16 * MTP_PROBE) D->mtp_probe_every *= 2;
+        return 1;
+    }
+    return 0;
 }
 
 /* ---- prefill ---- */
@@ -8966,7 +9045,7 @@ static int prefill_round(struct cm384_engine *e, peer *P) {
     }
     sample_rows(e, P, done_rq, nd);
     for (int i = 0; i < nd; i++) done_rq[i]->tokens[done_rq[i]->n_tokens] = done_rq[i]->sampled;   /* t_P for MTP */
-    if (e->mtp) mtp_step(e, P, rq, first, nr);
+    if (e->mtp) mtp_step(e, P, rq, first, nr, 1);
     if (step_failed(e, P, rq, nr)) return 1;
     for (int i = 0; i < nr; i++) offer_blocks_locked(e, rq[i]);
     atomic_fetch_add(&P->steps, 1);
@@ -9136,7 +9215,15 @@ static int decode_round(struct cm384_engine *e, peer *D) {
             if (r->accepted) { accepted++; r->tokens[n + 1] = r->sampled2; r->n_computed = n + 1; }
         }
     }
-    if (e->mtp) mtp_step(e, D, rq, first, nr);
+    if (e->mtp) {
+        int rows = 0;
+        for (int i = 0; i < nr; i++) rows += cnt[i];
+        double t1 = now_ms();
+        int draft = mtp_gate(e, D, nr, (int)drafted, (int)accepted,
+                             e->dbg_step_ms ? e->dbg_step_ms(e->dbg_cycle_user, rows, nr, 0) : t1 - t0);
+        mtp_step(e, D, rq, first, nr, draft);
+        if (draft) mtp_ewma(&D->mtp_tm, &D->mtp_nm, (e->dbg_step_ms ? e->dbg_step_ms(e->dbg_cycle_user, nr, nr, 1) : now_ms() - t1) / nr);
+    }
     if (step_failed(e, D, rq, nr)) return 1;
     double dt = now_ms() - t0;
     atomic_fetch_add(&D->steps, 1);
@@ -9291,7 +9378,7 @@ static void cache_load(struct cm384_engine *e, request *r) {
     r->chain = k;
     if (e->mtp && loaded) {
         r->mtp_done = r->n_computed - 1;
-        memcpy(r->h_prev, e->blk_h + (size_t)r->blocks[r->load_first + loaded - 1] * e->m->hp.dim,
+        memcpy(mtp_h_slot(e, r, r->mtp_done), e->blk_h + (size_t)r->blocks[r->load_first + loaded - 1] * e->m->hp.dim,
                (size_t)e->m->hp.dim * sizeof(float));
     }
     uint64_t bytes = (uint64_t)loaded * e->kv.block_floats * sizeof(float);
@@ -10423,7 +10510,7 @@ static int config_resolve(cm384_config *c, const hparams *hp, const char *preset
     RANGE(int8, 0, 1);
     RANGE(int8_dispatch, -1, 1);
     RANGE(microbatches, 0, 2);
-    RANGE(mtp, 0, 1);
+    RANGE(mtp, 0, 2);
     RANGE(eplb_period, -1, 1000000);
     RANGE(bf16_combine, -1, 1);
     RANGE(time_shared, 0, 1);
@@ -10802,7 +10889,7 @@ int cm384_submit(cm384_engine *e, const cm384_request *req, uint64_t *id_out) {
     r->user = q.user;
     r->device = -1;
     r->draft = -1;
-    if (e->mtp && !(r->h_prev = CM384_CALLOC((size_t)m->hp.dim, sizeof(float)))) {
+    if (e->mtp && !(r->h_ring = CM384_CALLOC((size_t)MTP_RING * m->hp.dim, sizeof(float)))) {
         request_free(r);
         return fail(CM384_E_NOMEM, "out of memory");
     }

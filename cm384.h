@@ -387,8 +387,13 @@ typedef struct cm384_config {
                                       weights twice per step, which memory-bound
                                       decode pays for.  Same results either way      */
     int          mtp;              /* 1: speculative decoding with the MTP layer
-                                      when the model has one (same tokens);
-                                      0 (default)                                    */
+                                      when the model has one (same tokens),
+                                      drafting while it pays: while (1 + the
+                                      acceptance) x a plain step's time beats
+                                      a drafting step's (measured; retried
+                                      after 16 steps, then less often); 2:
+                                      draft every step;
+                                      0 (default): off                               */
     double       tpot_target_ms;   /* SLO: the decode batch is the largest whose p99
                                       time per output token stays under this, learnt
                                       from measured step times (per batch size and

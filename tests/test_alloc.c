@@ -98,6 +98,7 @@ TEST_MAIN(alloc) {
     run(m, "default", 1, 2, 0, 0, NULL, 40);
     run(m, "paper", 0, 2, 0, 0, NULL, 40);
     run(m, "single", 1, 1, 0, 0, NULL, 40);
+    run(m, "default", 1, 2, 2, 0, NULL, 40);
     run(m, "default", 1, 2, 1, 0, NULL, 40);
     cm384_model_free(m);
     /* DeepSeek-V3's hidden width (7168, wider than any stack scratch of the

@@ -114,8 +114,9 @@ static void exactness(cm384_model *m) {
         {"4 devices (4 experts each)", "default", 2, 4, 2, 0},
         {"paper preset, 384 devices", "paper", 2, 384, 2, 0},
         {"one thread per device (8 devices, 8 workers)", "default", 8, 8, 2, 0},
-        {"default + MTP speculative decoding", "default", 2, 0, 2, 1},
-        {"paper + MTP speculative decoding", "paper", 2, 384, 2, 1},
+        {"default + MTP speculative decoding (every step drafts)", "default", 2, 0, 2, 2},
+        {"paper + MTP speculative decoding (every step drafts)", "paper", 2, 384, 2, 2},
+        {"default + MTP, drafting while it pays (the gate)", "default", 2, 0, 2, 1},
     };
     printf("exactness: %d concurrent requests vs each alone on one device\n", N);
     for (size_t k = 0; k < sizeof topo / sizeof topo[0]; k++) {
@@ -158,10 +159,10 @@ static void sampled(cm384_model *m) {
     cm384_engine *e = engine(m, "single", 1, 0, 1, 0);
     for (int i = 0; i < N; i++) { reset_outputs(&ref[i], 1); submit_job(e, &ref[i]); cm384_wait_all(e); }
     cm384_engine_free(e);
-    for (int pass = 0; pass < 2; pass++) {
+    for (int pass = 0; pass < 3; pass++) {          /* MTP off, every step drafting, gated */
         memcpy(got, ref, (size_t)N * sizeof *got);
         reset_outputs(got, N);
-        with_mtp = pass;
+        with_mtp = pass == 0 ? 0 : pass == 1 ? 2 : 1;
         e = engine(m, "default", 2, 0, 2, 0);
         with_mtp = 0;
         for (int i = 0; i < N; i++) submit_job(e, &got[i]);
@@ -172,7 +173,8 @@ static void sampled(cm384_model *m) {
         cm384_engine_free(e);
         int same = 0;
         for (int i = 0; i < N; i++) same += same_tokens(&got[i], &ref[i]);
-        printf("  %d concurrent, %s: %d/%d identical to one-at-a-time runs", N, pass ? "MTP on" : "MTP off", same, N);
+        printf("  %d concurrent, %s: %d/%d identical to one-at-a-time runs", N,
+               pass == 0 ? "MTP off" : pass == 1 ? "MTP every step" : "MTP gated", same, N);
         if (pass) printf(" (%llu/%llu drafts accepted)", (unsigned long long)st.mtp_accepted, (unsigned long long)st.mtp_drafted);
         printf("\n");
         CHECK(same == N, "sampled requests differ (%s)", pass ? "MTP" : "no MTP");
@@ -313,7 +315,7 @@ static void exhaustion(cm384_model *m) {
     for (int i = 0; i < N; i++) submit_job(e, &ref[i]);
     cm384_wait_all(e);
     cm384_engine_free(e);
-    for (int mtp = 0; mtp < 2; mtp++) {
+    for (int mtp = 0; mtp < 3; mtp++) {          /* off, gated, every step drafting */
         memcpy(got, ref, (size_t)N * sizeof *got);
         reset_outputs(got, N);
         cm384_config c;
@@ -333,7 +335,7 @@ static void exhaustion(cm384_model *m) {
         int same = 0, finals = 0;
         for (int i = 0; i < N; i++) { same += same_tokens(&got[i], &ref[i]); finals += got[i].finals == 1; }
         printf("  %s%d/%d finished with one final event, %d/%d identical to the unconstrained run; %llu preemptions, "
-               "%llu blocks in the pool\n", mtp ? "with MTP: " : "", finals, N, same, N,
+               "%llu blocks in the pool\n", mtp == 1 ? "with MTP gated: " : mtp == 2 ? "with MTP every step: " : "", finals, N, same, N,
                (unsigned long long)st.requests_preempted, (unsigned long long)st.kv_blocks_total);
         CHECK(finals == N && same == N, "exhaustion: %d finals, %d identical of %d", finals, same, N);
         CHECK(st.requests_done == (uint64_t)N, "stats say %llu done", (unsigned long long)st.requests_done);
@@ -488,6 +490,60 @@ static void trace(cm384_model *m) {
     unlink(path);
 }
 
+/* The MTP gate defers the MTP layer's rows while it is not drafting; a block
+ * must still reach the context cache whole.  Two engines run the same
+ * request, one drafting every step, one gated on a clock where drafting
+ * never pays: every block the gated engine cached holds the same MTP rows. */
+static double never_pays(void *user, int rows, int requests, int mtp) { (void)user; return mtp ? requests : rows; }
+
+static void mtp_gate_cache(cm384_model *m) {
+    float *rows[2] = {NULL, NULL};
+    int *cached = NULL, n_cached = 0;
+    uint64_t drafted[2] = {0, 0};
+    for (int k = 0; k < 2; k++) {                 /* 0: every step drafts, 1: gated */
+        cm384_config c;
+        cm384_config_init(&c);
+        c.n_workers = 2; c.max_ctx = 256; c.mtp = k ? 1 : 2;
+        cm384_engine *e;
+        if (cm384_engine_create(m, &c, &e)) { CHECK(0, "engine: %s", cm384_last_error()); break; }
+        e->dbg_step_ms = never_pays;
+        int32_t prompt[20];
+        for (int i = 0; i < 20; i++) prompt[i] = 2 + (i * 37) % 1000;
+        cm384_sampling s;
+        cm384_sampling_init(&s);
+        s.max_tokens = 100; s.ignore_eos = 1;
+        int r = cm384_generate(e, NULL, prompt, 20, &s, NULL, NULL);
+        CHECK(r == CM384_OK, "generate: %s", cm384_strerror(r));
+        cm384_stats st;
+        st.struct_size = sizeof st;
+        cm384_get_stats(e, &st);
+        drafted[k] = st.mtp_drafted;
+        const kv_pool *kv = &e->kv;
+        size_t bf = kv->block_floats;
+        int l = m->hp.n_layers, B = kv->block_tokens, row = kv->row;
+        rows[k] = malloc(sizeof(float) * bf * (size_t)kv->n_blocks);
+        memcpy(rows[k], kv->data, sizeof(float) * bf * (size_t)kv->n_blocks);
+        if (k) {
+            cached = malloc(sizeof(int) * (size_t)e->index_cap);
+            for (int i = 0; i < e->index_cap; i++) if (e->index[i] >= 0) cached[n_cached++] = e->index[i];
+        }
+        cm384_engine_free(e);
+        if (!k) continue;
+        int same = 0;
+        for (int i = 0; i < n_cached; i++) {
+            size_t at = (size_t)cached[i] * bf + (size_t)l * B * row;
+            same += !memcmp(rows[0] + at, rows[1] + at, sizeof(float) * (size_t)B * row);
+        }
+        printf("MTP gate and the context cache: %d of %d cached blocks hold the MTP rows of an engine drafting every "
+               "step (drafted steps: gated %llu, every step %llu)\n", same, n_cached, (unsigned long long)drafted[1],
+               (unsigned long long)drafted[0]);
+        CHECK(n_cached >= 6 && same == n_cached, "%d of %d cached blocks have their MTP rows", same, n_cached);
+        CHECK(drafted[1] * 4 < drafted[0], "the gate drafted %llu steps of %llu", (unsigned long long)drafted[1],
+              (unsigned long long)drafted[0]);
+    }
+    free(rows[0]); free(rows[1]); free(cached);
+}
+
 TEST_MAIN(engine) {
     quick = getenv("CM384_QUICK") != NULL;
     /* the fixture with a longer context */
@@ -516,6 +572,7 @@ TEST_MAIN(engine) {
     }
     cm384_model *m;
     if (cm384_model_load(dir, NULL, &m)) { printf("load: %s\n", cm384_last_error()); return 1; }
+    mtp_gate_cache(m);
     exactness(m);
     sampled(m);
     caching(m);

@@ -187,7 +187,7 @@ static void ft_roles(cm384_model *m, const char *preset, const ft_req *ref) {
 /* Random devices with a role, at random steps. */
 static void ft_random(cm384_model *m, const ft_req *ref_mtp, int seeds) {
     for (int seed = 1; seed <= seeds; seed++) {
-        cm384_engine *e = ft_engine(m, "paper", 1, NULL);
+        cm384_engine *e = ft_engine(m, "paper", seed % 2 ? 1 : 2, NULL);   /* MTP gated, or every step drafting */
         if (!e) { CHECK(0, "engine"); return; }
         uint64_t rng = 0x9e3779b97f4a7c15ull * (uint64_t)seed;
         int n_faults = 3 + seed % 3, scheduled = 0;
@@ -314,7 +314,7 @@ TEST_MAIN(faults) {
     e = ft_engine(m, "paper", 0, NULL);
     ft_run(e, ref_paper);
     cm384_engine_free(e);
-    e = ft_engine(m, "paper", 1, NULL);
+    e = ft_engine(m, "paper", 2, NULL);
     ft_run(e, ref_mtp);
     cm384_engine_free(e);
     int ok = 1;

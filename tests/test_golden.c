@@ -211,7 +211,7 @@ static void check_mtp_drafts(cm384_model *m) {
     printf("[MTP speculative decoding]\n");
     cm384_config c;
     cm384_config_init(&c);
-    c.n_workers = 2; c.int8_dispatch = 0; c.mtp = 1;
+    c.n_workers = 2; c.int8_dispatch = 0; c.mtp = 2;          /* a draft at every position */
     cm384_engine *e;
     if (cm384_engine_create(m, &c, &e)) { CHECK(0, "engine: %s", cm384_last_error()); return; }
     e->dbg_draft = malloc(sizeof(int) * (size_t)e->max_ctx);

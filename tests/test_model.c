@@ -54,6 +54,62 @@ static cm384_engine *model_engine(cm384_model *m, int int8) {
 }
 
 /* Validation loss and MTP accuracy over val.txt with the trainer's protocol. */
+/* The MTP gate (config.mtp = 1) on a virtual clock (e->dbg_step_ms): a
+ * step's main model costs one unit per row, so a draft doubles it, and the
+ * MTP layer one unit per request -- drafting never pays, even at 100%
+ * acceptance -- or, with gate_free, one unit per request whatever its rows
+ * and the MTP layer nothing: drafting pays whenever a draft is accepted. */
+static int gate_free;
+static double gate_clock(void *user, int rows, int requests, int mtp) {
+    (void)user;
+    if (gate_free) return mtp ? 0.0 : requests;
+    return mtp ? requests : rows;
+}
+
+typedef struct { int n; int32_t tok[256]; } gate_out;
+static int gate_collect(void *user, const cm384_event *ev) {
+    gate_out *o = user;
+    if (ev->kind == CM384_EV_TOKEN && o->n < 256) o->tok[o->n++] = ev->token;
+    return 0;
+}
+
+static void mtp_gate_check(cm384_model *m) {
+    printf("the MTP gate (config.mtp = 1) on a virtual clock, 200 greedy tokens:\n");
+    cm384_sampling s;
+    cm384_sampling_init(&s);
+    s.max_tokens = 200; s.ignore_eos = 1;
+    const char *prompt = "KING RICHARD II:\n";
+    gate_out ref = {0};
+    for (int pass = 0; pass < 3; pass++) {        /* MTP off (the reference), drafting costly, drafting free */
+        cm384_config c;
+        cm384_config_init(&c);
+        c.n_workers = 2; c.mtp = pass ? 1 : 0;
+        cm384_engine *e;
+        if (cm384_engine_create(m, &c, &e)) { CHECK(0, "engine: %s", cm384_last_error()); return; }
+        gate_free = pass == 2;
+        e->dbg_step_ms = gate_clock;
+        gate_out got = {0};
+        int r = cm384_generate(e, prompt, NULL, 0, &s, gate_collect, pass ? &got : &ref);
+        cm384_stats st;
+        st.struct_size = sizeof st;
+        cm384_get_stats(e, &st);
+        cm384_engine_free(e);
+        CHECK(r == CM384_OK, "generate: %s", cm384_strerror(r));
+        if (!pass) continue;
+        int same = got.n == ref.n && !memcmp(got.tok, ref.tok, sizeof(int32_t) * (size_t)ref.n);
+        printf("  drafting %s: %llu of %llu decode steps drafted, %llu accepted; %d tokens, %s\n", pass == 1 ? "costly" : "free",
+               (unsigned long long)st.mtp_drafted, (unsigned long long)st.decode_steps, (unsigned long long)st.mtp_accepted,
+               got.n, same ? "identical to MTP off" : "DIFFERENT from MTP off");
+        CHECK(same, "the gate changed the tokens");
+        if (pass == 1)   /* 5 steps learning the costs, then probes after 16, 32, 64, 128 plain steps */
+            CHECK(st.mtp_drafted >= 5 && st.mtp_drafted <= 10, "a gate that never pays drafted %llu steps",
+                  (unsigned long long)st.mtp_drafted);
+        else             /* all but one step in 16 (and any after an unlucky run of rejections) */
+            CHECK(st.mtp_drafted * 4 >= st.decode_steps * 3, "a gate that pays drafted %llu of %llu steps",
+                  (unsigned long long)st.mtp_drafted, (unsigned long long)st.decode_steps);
+    }
+}
+
 static void validation(cm384_engine *e, const int32_t *ids, int n, double *loss, double *mtp_acc) {
     const int W = 256, V = 1024;
     float *lg = malloc(sizeof(float) * W * V), *ml = malloc(sizeof(float) * W * V);
@@ -223,11 +279,12 @@ TEST_MAIN(model) {
         cm384_engine_free(ea);
     }
 
+    mtp_gate_check(m);
     printf("MTP speculative decoding on real text:\n");
     {
         cm384_config c;
         cm384_config_init(&c);
-        c.n_workers = 2; c.mtp = 1;
+        c.n_workers = 2; c.mtp = 2;                  /* every step drafts: the acceptance itself */
         cm384_engine *em;
         cm384_engine_create(m, &c, &em);
         cm384_sampling s;
