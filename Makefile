@@ -80,7 +80,7 @@ $(B)/gen_synth: models/gen/gen_synth.c | $(B)
 # then the run projected on CloudMatrix384: the text report and the picture
 # are left in $(B)/ (docs/how-it-works.md says how to read them)
 run: $(B)/cm384
-	./$(B)/cm384 run -m $(MODEL) -p "$(PROMPT)" -n $(NTOK) --temp 0.8 --top-p 0.95 --seed 1 --mtp --report
+	./$(B)/cm384 run -m $(MODEL) -p "$(PROMPT)" -n $(NTOK) --temp 0.8 --top-p 0.95 --seed 1 --mtp-always --report
 	./$(B)/cm384 project --from-run $(MODEL) --svg $(B)/report.svg > $(B)/report.txt
 	@echo "the run projected on CloudMatrix384: $(B)/report.txt, picture: $(B)/report.svg"
 
