@@ -443,6 +443,105 @@ GL_A512_INLINE void a512_matmul_q8_packed(const gl_mat *w, const int8_t *xq, con
     }
 }
 
+/* Long rows and many tokens (prefill's GEMMs): the same packed panels, 512
+ * columns at a time.  For 64 rows, every block of up to A512_PKK_NT tokens
+ * keeps exact int32 sums on the stack; each 512-column slice of the rows is
+ * packed once and passed over by all of the block's tokens, six at a time,
+ * one weight vector feeding six vpdpbusd with the tokens' 4 bytes broadcast
+ * -- instead of a tile's weight and token loads feeding one each.  The sums
+ * are the exact int32 dot products, so the bits are the scalar set's. */
+#define A512_PKK_NT 96
+#ifndef A512_PKK_MIN
+#define A512_PKK_MIN 48   /* fewer tokens: the tiles (packing costs a gather per 16 rows x 4 columns) */
+#endif
+
+GL_A512_INLINE void a512_pkk_tile(const __m512i *pk, int G, const int8_t *xq, int ldx, int nt, int32_t *acc) {
+    __m512i a[4][A512_PK_NT];
+#pragma GCC unroll 8
+    for (int t = 0; t < nt; t++)
+#pragma GCC unroll 4
+        for (int p = 0; p < 4; p++) a[p][t] = _mm512_loadu_si512(acc + (size_t)t * 64 + 16 * p);
+    for (int g = 0; g < G; g++) {
+        const __m512i w0 = pk[g], w1 = pk[G + g], w2 = pk[2 * G + g], w3 = pk[3 * G + g];
+#pragma GCC unroll 8
+        for (int t = 0; t < nt; t++) {
+            int32_t four;
+            memcpy(&four, xq + (size_t)t * ldx + 4 * g, 4);
+            const __m512i xb = _mm512_set1_epi32(four);
+            a[0][t] = _mm512_dpbusd_epi32(a[0][t], w0, xb);
+            a[1][t] = _mm512_dpbusd_epi32(a[1][t], w1, xb);
+            a[2][t] = _mm512_dpbusd_epi32(a[2][t], w2, xb);
+            a[3][t] = _mm512_dpbusd_epi32(a[3][t], w3, xb);
+        }
+    }
+#pragma GCC unroll 8
+    for (int t = 0; t < nt; t++)
+#pragma GCC unroll 4
+        for (int p = 0; p < 4; p++) _mm512_storeu_si512(acc + (size_t)t * 64 + 16 * p, a[p][t]);
+}
+
+/* rows [r, r+nr) of columns [c0, c0+kc) (kc <= 512, a multiple of 4) into pk */
+GL_A512_INLINE void a512_pack64_at(const gl_mat *w, int r, int nr, int c0, int kc, __m512i *pk) {
+    const int cols = w->cols, G = kc / 4;
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+                                           _mm512_set1_epi32(cols));
+    for (int p = 0; p < 4; p++) {
+        int here = nr - 16 * p;
+        const __mmask16 m = here >= 16 ? (__mmask16)0xffff : here > 0 ? a512_mask16(here) : 0;
+        const int8_t *src = (const int8_t *)w->data + (size_t)(r + 16 * p) * (size_t)cols + c0;
+        for (int g = 0; g < G; g++) {
+            __m512i v = m ? _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, idx, src + 4 * g, 1) : _mm512_setzero_si512();
+            pk[p * G + g] = _mm512_xor_si512(v, flip);
+        }
+    }
+}
+
+GL_A512_INLINE void a512_matmul_q8_packed_k(const gl_mat *w, const int8_t *xq, const float *xscale, const int32_t *xsum,
+                                            int n, int ldx, float *y, int ldy, int r0, int r1) {
+    __m512i pk[4 * A512_PK_COLS / 4];
+    int32_t acc[A512_PKK_NT * 64];
+    const int cols = w->cols;
+    for (int i0 = 0; i0 < n; i0 += A512_PKK_NT) {
+        const int ni = n - i0 < A512_PKK_NT ? n - i0 : A512_PKK_NT;
+        const int8_t *xb = xq + (size_t)i0 * ldx;
+        for (int r = r0; r < r1; r += A512_PK_ROWS) {
+            const int nr = r1 - r < A512_PK_ROWS ? r1 - r : A512_PK_ROWS;
+            memset(acc, 0, sizeof(int32_t) * 64 * (size_t)ni);
+            for (int c0 = 0; c0 < cols; c0 += A512_PK_COLS) {
+                const int kc = cols - c0 < A512_PK_COLS ? cols - c0 : A512_PK_COLS, G = kc / 4;
+                a512_pack64_at(w, r, nr, c0, kc, pk);
+                for (int i = 0; i < ni; i += A512_PK_NT) {
+                    const int nt = ni - i < A512_PK_NT ? ni - i : A512_PK_NT;
+                    const int8_t *xi = xb + (size_t)i * ldx + c0;
+                    int32_t *ai = acc + (size_t)i * 64;
+                    switch (nt) {
+                    case 6: a512_pkk_tile(pk, G, xi, ldx, 6, ai); break;
+                    case 5: a512_pkk_tile(pk, G, xi, ldx, 5, ai); break;
+                    case 4: a512_pkk_tile(pk, G, xi, ldx, 4, ai); break;
+                    case 3: a512_pkk_tile(pk, G, xi, ldx, 3, ai); break;
+                    case 2: a512_pkk_tile(pk, G, xi, ldx, 2, ai); break;
+                    case 1: a512_pkk_tile(pk, G, xi, ldx, 1, ai); break;
+                    }
+                }
+            }
+            /* (sum - 128 xsum) * wscale * xscale, as the other paths */
+            for (int p = 0; p < 4; p++) {
+                int here = nr - 16 * p;
+                if (here <= 0) break;
+                const __mmask16 m = here >= 16 ? (__mmask16)0xffff : a512_mask16(here);
+                const __m512 ws = _mm512_maskz_loadu_ps(m, w->scale + r + 16 * p);
+                for (int t = 0; t < ni; t++) {
+                    __m512i sum = _mm512_sub_epi32(_mm512_loadu_si512(acc + (size_t)t * 64 + 16 * p),
+                                                   _mm512_set1_epi32((int32_t)((uint32_t)xsum[i0 + t] << 7)));
+                    __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum), ws), _mm512_set1_ps(xscale[i0 + t]));
+                    _mm512_mask_storeu_ps(y + (size_t)(i0 + t) * ldy + r + 16 * p, m, v);
+                }
+            }
+        }
+    }
+}
+
 static GL_A512 void a512_matmul_q8(const gl_mat *w, const int8_t *xq, const float *xscale, int n, int ldx,
                                    float *y, int ldy, int r0, int r1) {
     int32_t xsum[A512_XSUM_MAX];
@@ -451,6 +550,14 @@ static GL_A512 void a512_matmul_q8(const gl_mat *w, const int8_t *xq, const floa
             const int ni = n - i0 < A512_XSUM_MAX ? n - i0 : A512_XSUM_MAX;
             a512_xsums(xq + (size_t)i0 * ldx, ni, ldx, w->cols, xsum);
             a512_matmul_q8_packed(w, xq + (size_t)i0 * ldx, xscale + i0, xsum, ni, ldx, y + (size_t)i0 * ldy, ldy, r0, r1);
+        }
+        return;
+    }
+    if (w->cols % 4 == 0 && n >= A512_PKK_MIN) {     /* long rows, many tokens */
+        for (int i0 = 0; i0 < n; i0 += A512_XSUM_MAX) {
+            const int ni = n - i0 < A512_XSUM_MAX ? n - i0 : A512_XSUM_MAX;
+            a512_xsums(xq + (size_t)i0 * ldx, ni, ldx, w->cols, xsum);
+            a512_matmul_q8_packed_k(w, xq + (size_t)i0 * ldx, xscale + i0, xsum, ni, ldx, y + (size_t)i0 * ldy, ldy, r0, r1);
         }
         return;
     }

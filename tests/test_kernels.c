@@ -609,6 +609,35 @@ static void test_q8_short(const gl_kernels *k) {
         }
 }
 
+/* W8A8 with long rows and many tokens (prefill's GEMMs; the avx512 set
+ * packs 512-column slices of 64 rows and keeps int32 sums per token block):
+ * rows that are no multiple of 64, columns no multiple of 512 (or of 64),
+ * token counts across blocks of 96, a row range starting off a panel, and the
+ * extremes -- every value against the scalar set, bit for bit. */
+static void test_q8_long(const gl_kernels *k) {
+    const gl_kernels *s = gl_kernels_scalar();
+    static const int colss[] = {516, 1024, 1412, 2052}, rowss[] = {16, 61, 130}, ns[] = {48, 97, 200};
+    for (size_t ci = 0; ci < 4; ci++)
+        for (size_t ri = 0; ri < 3; ri++) {
+            int cols = colss[ci], rows = rowss[ri], n = ns[(ci + ri) % 3], ldx = cols + 8, ldy = rows + 5;
+            test_mat t = make_mat(GL_Q8, rows, cols);
+            test_act a = make_act(s, n, cols, ldx);
+            if (ri == 2) {   /* extremes */
+                for (int c = 0; c < cols; c++) ((int8_t *)t.data)[c] = -128;
+                for (int c = 0; c < cols; c++) a.xq[c] = 127, a.xq[ldx + c] = -127;
+            }
+            float *y = xmalloc((size_t)n * ldy * sizeof(float)), *ys = xmalloc((size_t)n * ldy * sizeof(float));
+            int r0 = ri == 1 ? 3 : 0;
+            for (size_t j = 0; j < (size_t)n * ldy; j++) y[j] = ys[j] = -1;
+            k->matmul_q8(&t.m, a.xq, a.xs, n, ldx, y, ldy, r0, rows);
+            s->matmul_q8(&t.m, a.xq, a.xs, n, ldx, ys, ldy, r0, rows);
+            int bad = 0;
+            for (size_t j = 0; j < (size_t)n * ldy; j++) bad += f2u(y[j]) != f2u(ys[j]);   /* gaps untouched too */
+            check(!bad, "%s: matmul_q8 long rows %dx%d n=%d: %d values differ from scalar", k->name, rows, cols, n, bad);
+            free(y); free(ys); free_act(&a); free_mat(&t);
+        }
+}
+
 /* ---- batch invariance ---- */
 
 typedef struct {
@@ -940,6 +969,7 @@ int main(int argc, char **argv) {
         test_matmul_vs_scalar(sets[s]);
         test_q8_extremes(sets[s]);
         test_q8_short(sets[s]);
+        test_q8_long(sets[s]);
         test_invariance(sets[s], pool2, pool4);
         test_qmatmul(sets[s]);
     }
