@@ -368,16 +368,17 @@ GL_A512_INLINE void a512_panels_q8(const gl_mat *w, int nr, const int8_t *xq, co
 #define A512_PK_COLS 512
 #define A512_PK_NT 6
 
-/* rows [r, r+nr) (nr <= 64; missing rows are w = 0) into pk[p*G + g] */
-GL_A512_INLINE void a512_pack64(const gl_mat *w, int r, int nr, __m512i *pk) {
-    const int cols = w->cols, G = cols / 4;
+/* rows [r, r+nr) (nr <= 64; missing rows are w = 0) of columns [c0, c0+kc)
+ * (kc <= 512, a multiple of 4) into pk[p*G + g] */
+GL_A512_INLINE void a512_pack64_at(const gl_mat *w, int r, int nr, int c0, int kc, __m512i *pk) {
+    const int cols = w->cols, G = kc / 4;
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
                                            _mm512_set1_epi32(cols));
     for (int p = 0; p < 4; p++) {
         int here = nr - 16 * p;
         const __mmask16 m = here >= 16 ? (__mmask16)0xffff : here > 0 ? a512_mask16(here) : 0;
-        const int8_t *src = (const int8_t *)w->data + (size_t)(r + 16 * p) * (size_t)cols;
+        const int8_t *src = (const int8_t *)w->data + (size_t)(r + 16 * p) * (size_t)cols + c0;
         for (int g = 0; g < G; g++) {
             __m512i v = m ? _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, idx, src + 4 * g, 1) : _mm512_setzero_si512();
             pk[p * G + g] = _mm512_xor_si512(v, flip);
@@ -385,13 +386,7 @@ GL_A512_INLINE void a512_pack64(const gl_mat *w, int r, int nr, __m512i *pk) {
     }
 }
 
-GL_A512_INLINE void a512_pk_tile(const __m512i *pk, int G, const int8_t *xq, int ldx, int nt, const int32_t *xsum,
-                                 const float *xs, const float *wscale, int nr, float *y, int ldy) {
-    __m512i acc[4][A512_PK_NT];
-#pragma GCC unroll 8
-    for (int t = 0; t < nt; t++)
-#pragma GCC unroll 4
-        for (int p = 0; p < 4; p++) acc[p][t] = _mm512_setzero_si512();
+GL_A512_INLINE void a512_pk_dot(const __m512i *pk, int G, const int8_t *xq, int ldx, int nt, __m512i acc[4][A512_PK_NT]) {
     for (int g = 0; g < G; g++) {
         const __m512i w0 = pk[g], w1 = pk[G + g], w2 = pk[2 * G + g], w3 = pk[3 * G + g];
 #pragma GCC unroll 8
@@ -405,6 +400,16 @@ GL_A512_INLINE void a512_pk_tile(const __m512i *pk, int G, const int8_t *xq, int
             acc[3][t] = _mm512_dpbusd_epi32(acc[3][t], w3, xb);
         }
     }
+}
+
+GL_A512_INLINE void a512_pk_tile(const __m512i *pk, int G, const int8_t *xq, int ldx, int nt, const int32_t *xsum,
+                                 const float *xs, const float *wscale, int nr, float *y, int ldy) {
+    __m512i acc[4][A512_PK_NT];
+#pragma GCC unroll 8
+    for (int t = 0; t < nt; t++)
+#pragma GCC unroll 4
+        for (int p = 0; p < 4; p++) acc[p][t] = _mm512_setzero_si512();
+    a512_pk_dot(pk, G, xq, ldx, nt, acc);
 #pragma GCC unroll 4
     for (int p = 0; p < 4; p++) {
         int here = nr - 16 * p;
@@ -426,7 +431,7 @@ GL_A512_INLINE void a512_matmul_q8_packed(const gl_mat *w, const int8_t *xq, con
     const int G = w->cols / 4;
     for (int r = r0; r < r1; r += A512_PK_ROWS) {
         const int nr = r1 - r < A512_PK_ROWS ? r1 - r : A512_PK_ROWS;
-        a512_pack64(w, r, nr, pk);
+        a512_pack64_at(w, r, nr, 0, w->cols, pk);
         for (int i = 0; i < n; i += A512_PK_NT) {
             const int nt = n - i < A512_PK_NT ? n - i : A512_PK_NT;
             const int8_t *xi = xq + (size_t)i * ldx;
@@ -461,40 +466,11 @@ GL_A512_INLINE void a512_pkk_tile(const __m512i *pk, int G, const int8_t *xq, in
     for (int t = 0; t < nt; t++)
 #pragma GCC unroll 4
         for (int p = 0; p < 4; p++) a[p][t] = _mm512_loadu_si512(acc + (size_t)t * 64 + 16 * p);
-    for (int g = 0; g < G; g++) {
-        const __m512i w0 = pk[g], w1 = pk[G + g], w2 = pk[2 * G + g], w3 = pk[3 * G + g];
-#pragma GCC unroll 8
-        for (int t = 0; t < nt; t++) {
-            int32_t four;
-            memcpy(&four, xq + (size_t)t * ldx + 4 * g, 4);
-            const __m512i xb = _mm512_set1_epi32(four);
-            a[0][t] = _mm512_dpbusd_epi32(a[0][t], w0, xb);
-            a[1][t] = _mm512_dpbusd_epi32(a[1][t], w1, xb);
-            a[2][t] = _mm512_dpbusd_epi32(a[2][t], w2, xb);
-            a[3][t] = _mm512_dpbusd_epi32(a[3][t], w3, xb);
-        }
-    }
+    a512_pk_dot(pk, G, xq, ldx, nt, a);
 #pragma GCC unroll 8
     for (int t = 0; t < nt; t++)
 #pragma GCC unroll 4
         for (int p = 0; p < 4; p++) _mm512_storeu_si512(acc + (size_t)t * 64 + 16 * p, a[p][t]);
-}
-
-/* rows [r, r+nr) of columns [c0, c0+kc) (kc <= 512, a multiple of 4) into pk */
-GL_A512_INLINE void a512_pack64_at(const gl_mat *w, int r, int nr, int c0, int kc, __m512i *pk) {
-    const int cols = w->cols, G = kc / 4;
-    const __m512i flip = _mm512_set1_epi8((char)0x80);
-    const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                           _mm512_set1_epi32(cols));
-    for (int p = 0; p < 4; p++) {
-        int here = nr - 16 * p;
-        const __mmask16 m = here >= 16 ? (__mmask16)0xffff : here > 0 ? a512_mask16(here) : 0;
-        const int8_t *src = (const int8_t *)w->data + (size_t)(r + 16 * p) * (size_t)cols + c0;
-        for (int g = 0; g < G; g++) {
-            __m512i v = m ? _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, idx, src + 4 * g, 1) : _mm512_setzero_si512();
-            pk[p * G + g] = _mm512_xor_si512(v, flip);
-        }
-    }
 }
 
 GL_A512_INLINE void a512_matmul_q8_packed_k(const gl_mat *w, const int8_t *xq, const float *xscale, const int32_t *xsum,

@@ -581,13 +581,16 @@ static void test_bf16_native(const gl_kernels *k) {
     free(wrow);
 }
 
-/* W8A8 with short rows and many tokens (the attention's per-head absorbed
- * products; the avx512 set packs such rows into panels): every shape
- * against the scalar set, bit for bit, including rows of all -128 and
- * activations of +-127 (the extremes of the offset sums). */
-static void test_q8_short(const gl_kernels *k) {
+/* W8A8 on shapes the avx512 set packs into panels -- short rows with many
+ * tokens (the attention's per-head absorbed products), and long rows with
+ * 48+ tokens (prefill's GEMMs: 512-column slices of 64 rows, int32 sums per
+ * block of 96 tokens) -- every value against the scalar set, bit for bit:
+ * rows that are no multiple of 64, columns no multiple of 512 (or of 64),
+ * token counts across blocks, a row range starting off a panel, and rows of
+ * all -128 with activations of +-127 (the extremes of the offset sums). */
+static void test_q8_panels(const gl_kernels *k, const char *what, const int colss[4], const int ns[3]) {
     const gl_kernels *s = gl_kernels_scalar();
-    static const int colss[] = {4, 128, 132, 512}, rowss[] = {16, 61, 130}, ns[] = {16, 23, 40};
+    static const int rowss[] = {16, 61, 130};
     for (size_t ci = 0; ci < 4; ci++)
         for (size_t ri = 0; ri < 3; ri++) {
             int cols = colss[ci], rows = rowss[ri], n = ns[(ci + ri) % 3], ldx = cols + 8, ldy = rows + 5;
@@ -604,38 +607,19 @@ static void test_q8_short(const gl_kernels *k) {
             s->matmul_q8(&t.m, a.xq, a.xs, n, ldx, ys, ldy, r0, rows);
             int bad = 0;
             for (size_t j = 0; j < (size_t)n * ldy; j++) bad += f2u(y[j]) != f2u(ys[j]);   /* gaps untouched too */
-            check(!bad, "%s: matmul_q8 short rows %dx%d n=%d: %d values differ from scalar", k->name, rows, cols, n, bad);
+            check(!bad, "%s: matmul_q8 %s %dx%d n=%d: %d values differ from scalar", k->name, what, rows, cols, n, bad);
             free(y); free(ys); free_act(&a); free_mat(&t);
         }
 }
 
-/* W8A8 with long rows and many tokens (prefill's GEMMs; the avx512 set
- * packs 512-column slices of 64 rows and keeps int32 sums per token block):
- * rows that are no multiple of 64, columns no multiple of 512 (or of 64),
- * token counts across blocks of 96, a row range starting off a panel, and the
- * extremes -- every value against the scalar set, bit for bit. */
+static void test_q8_short(const gl_kernels *k) {
+    static const int colss[] = {4, 128, 132, 512}, ns[] = {16, 23, 40};
+    test_q8_panels(k, "short rows", colss, ns);
+}
+
 static void test_q8_long(const gl_kernels *k) {
-    const gl_kernels *s = gl_kernels_scalar();
-    static const int colss[] = {516, 1024, 1412, 2052}, rowss[] = {16, 61, 130}, ns[] = {48, 97, 200};
-    for (size_t ci = 0; ci < 4; ci++)
-        for (size_t ri = 0; ri < 3; ri++) {
-            int cols = colss[ci], rows = rowss[ri], n = ns[(ci + ri) % 3], ldx = cols + 8, ldy = rows + 5;
-            test_mat t = make_mat(GL_Q8, rows, cols);
-            test_act a = make_act(s, n, cols, ldx);
-            if (ri == 2) {   /* extremes */
-                for (int c = 0; c < cols; c++) ((int8_t *)t.data)[c] = -128;
-                for (int c = 0; c < cols; c++) a.xq[c] = 127, a.xq[ldx + c] = -127;
-            }
-            float *y = xmalloc((size_t)n * ldy * sizeof(float)), *ys = xmalloc((size_t)n * ldy * sizeof(float));
-            int r0 = ri == 1 ? 3 : 0;
-            for (size_t j = 0; j < (size_t)n * ldy; j++) y[j] = ys[j] = -1;
-            k->matmul_q8(&t.m, a.xq, a.xs, n, ldx, y, ldy, r0, rows);
-            s->matmul_q8(&t.m, a.xq, a.xs, n, ldx, ys, ldy, r0, rows);
-            int bad = 0;
-            for (size_t j = 0; j < (size_t)n * ldy; j++) bad += f2u(y[j]) != f2u(ys[j]);   /* gaps untouched too */
-            check(!bad, "%s: matmul_q8 long rows %dx%d n=%d: %d values differ from scalar", k->name, rows, cols, n, bad);
-            free(y); free(ys); free_act(&a); free_mat(&t);
-        }
+    static const int colss[] = {516, 1024, 1412, 2052}, ns[] = {48, 97, 200};
+    test_q8_panels(k, "long rows", colss, ns);
 }
 
 /* ---- batch invariance ---- */
