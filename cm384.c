@@ -5713,9 +5713,9 @@ static void region_add_mm(region *rg, int n_workers, mm_job *jb, int device) {
                 jb->n_row_chunks = (jb->w->rows + chunk - 1) / chunk;
             }
         }
-        size_t per = (size_t)chunk * jb->w->cols;
-        int t = (int)(2 * SMALL_TASK_MACS / (per ? per : 1));
-        if (t < SMALL_TASK_TOKENS || jb->n < SMALL_TASK_TOKENS) t = (int)(SMALL_TASK_MACS / (per ? per : 1));
+        size_t per = (size_t)chunk * jb->w->cols, budget = jb->n >= SMALL_TASK_TOKENS ? 2 * (size_t)SMALL_TASK_MACS : SMALL_TASK_MACS;
+        int t = (int)(budget / (per ? per : 1));
+        if (t < SMALL_TASK_TOKENS) t = (int)(SMALL_TASK_MACS / (per ? per : 1));   /* rows too long: the old cut */
         t = t < 4 ? 4 : t & ~3;
         if (t < jb->n) jb->tok_chunk = t;
     }
@@ -8885,6 +8885,11 @@ static void mtp_ewma(double *v, int *n, double x) {
     (*n)++;
 }
 
+/* What the gate takes as a step's time: the measured one, or a test's clock. */
+static double mtp_clock(const struct cm384_engine *e, int rows, int requests, int mtp, double measured_ms) {
+    return e->dbg_step_ms ? e->dbg_step_ms(e->dbg_cycle_user, rows, requests, mtp) : measured_ms;
+}
+
 /* After a step's main model and sampling (main_ms): does the next step draft? */
 static int mtp_gate(struct cm384_engine *e, peer *D, int nr, int drafted, int accepted, double main_ms) {
     if (e->cfg.mtp == 2) return 1;
@@ -9233,10 +9238,9 @@ static int decode_round(struct cm384_engine *e, peer *D) {
         int rows = 0;
         for (int i = 0; i < nr; i++) rows += cnt[i];
         double t1 = now_ms();
-        int draft = mtp_gate(e, D, nr, (int)drafted, (int)accepted,
-                             e->dbg_step_ms ? e->dbg_step_ms(e->dbg_cycle_user, rows, nr, 0) : t1 - t0);
+        int draft = mtp_gate(e, D, nr, (int)drafted, (int)accepted, mtp_clock(e, rows, nr, 0, t1 - t0));
         mtp_step(e, D, rq, first, nr, draft);
-        if (draft) mtp_ewma(&D->mtp_tm, &D->mtp_nm, (e->dbg_step_ms ? e->dbg_step_ms(e->dbg_cycle_user, nr, nr, 1) : now_ms() - t1) / nr);
+        if (draft) mtp_ewma(&D->mtp_tm, &D->mtp_nm, mtp_clock(e, nr, nr, 1, now_ms() - t1) / nr);
     }
     if (step_failed(e, D, rq, nr)) return 1;
     double dt = now_ms() - t0;

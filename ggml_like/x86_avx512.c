@@ -521,19 +521,14 @@ GL_A512_INLINE void a512_matmul_q8_packed_k(const gl_mat *w, const int8_t *xq, c
 static GL_A512 void a512_matmul_q8(const gl_mat *w, const int8_t *xq, const float *xscale, int n, int ldx,
                                    float *y, int ldy, int r0, int r1) {
     int32_t xsum[A512_XSUM_MAX];
-    if (w->cols <= A512_PK_COLS && w->cols % 4 == 0 && n >= 16) {   /* short rows, enough tokens to pay the packing */
+    const int short_rows = w->cols <= A512_PK_COLS && n >= 16;           /* enough tokens to pay the packing */
+    if (w->cols % 4 == 0 && (short_rows || n >= A512_PKK_MIN)) {         /* packed panels */
         for (int i0 = 0; i0 < n; i0 += A512_XSUM_MAX) {
             const int ni = n - i0 < A512_XSUM_MAX ? n - i0 : A512_XSUM_MAX;
-            a512_xsums(xq + (size_t)i0 * ldx, ni, ldx, w->cols, xsum);
-            a512_matmul_q8_packed(w, xq + (size_t)i0 * ldx, xscale + i0, xsum, ni, ldx, y + (size_t)i0 * ldy, ldy, r0, r1);
-        }
-        return;
-    }
-    if (w->cols % 4 == 0 && n >= A512_PKK_MIN) {     /* long rows, many tokens */
-        for (int i0 = 0; i0 < n; i0 += A512_XSUM_MAX) {
-            const int ni = n - i0 < A512_XSUM_MAX ? n - i0 : A512_XSUM_MAX;
-            a512_xsums(xq + (size_t)i0 * ldx, ni, ldx, w->cols, xsum);
-            a512_matmul_q8_packed_k(w, xq + (size_t)i0 * ldx, xscale + i0, xsum, ni, ldx, y + (size_t)i0 * ldy, ldy, r0, r1);
+            const int8_t *xb = xq + (size_t)i0 * ldx;
+            a512_xsums(xb, ni, ldx, w->cols, xsum);
+            if (short_rows) a512_matmul_q8_packed(w, xb, xscale + i0, xsum, ni, ldx, y + (size_t)i0 * ldy, ldy, r0, r1);
+            else a512_matmul_q8_packed_k(w, xb, xscale + i0, xsum, ni, ldx, y + (size_t)i0 * ldy, ldy, r0, r1);
         }
         return;
     }
