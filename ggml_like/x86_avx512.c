@@ -362,26 +362,75 @@ GL_A512_INLINE void a512_panels_q8(const gl_mat *w, int nr, const int8_t *xq, co
  * with the token's 4 bytes broadcast adds four products to each of 16 rows'
  * sums, which stay in their lanes: no reduction, and each result vector is
  * 16 consecutive rows.  64 rows at a time are packed on the stack (cols <=
- * 512: 32 KB, by gathers) and every token passes over them.  The sums are
- * the same exact int32 values, so the bits are the scalar set's. */
+ * 512: 32 KB, by a transpose in registers) and every token passes over
+ * them.  The sums are the same exact int32 values, so the bits are the
+ * scalar set's. */
 #define A512_PK_ROWS 64
 #define A512_PK_COLS 512
 #define A512_PK_NT 6
+/* Fewer tokens than this go to the tiles: the packing (16 loads and 64
+ * shuffles per 16 rows x 64 columns) must pay for itself.  Measured on Zen 5
+ * (one thread, tiles against panels in one run, weights streaming from DRAM
+ * as in a model and sitting in cache): rows of 128 columns gain from 4
+ * tokens (the tiles' reductions dominate there), rows of 512 from 12, long
+ * rows from 16. */
+#ifndef A512_PK_MIN
+#define A512_PK_MIN(cols) ((cols) <= 256 ? 4 : 12)
+#endif
+
+/* r[0..15] (16 rows of 16 dwords) becomes its transpose: afterwards r[c]
+ * lane l holds what row l had in dword c.  Two rounds of unpacks transpose
+ * the 4x4 dword blocks inside each 128-bit lane, two of 128-bit shuffles
+ * the 4x4 grid of those blocks: 64 shuffles for 16 vectors. */
+GL_A512_INLINE void a512_transpose16_epi32(__m512i r[16]) {
+    __m512i a[16], b[16];
+    for (int i = 0; i < 16; i += 2) {
+        a[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
+        a[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+    }
+    for (int j = 0; j < 16; j += 4) {            /* b[j+m] lane k: dword 4k+m of rows j..j+3 */
+        b[j] = _mm512_unpacklo_epi64(a[j], a[j + 2]);
+        b[j + 1] = _mm512_unpackhi_epi64(a[j], a[j + 2]);
+        b[j + 2] = _mm512_unpacklo_epi64(a[j + 1], a[j + 3]);
+        b[j + 3] = _mm512_unpackhi_epi64(a[j + 1], a[j + 3]);
+    }
+    for (int m = 0; m < 4; m++) {                /* lane k of b[4j+m] goes to lane j of r[4k+m] */
+        const __m512i c0 = _mm512_shuffle_i32x4(b[m], b[4 + m], 0x44), c1 = _mm512_shuffle_i32x4(b[m], b[4 + m], 0xee);
+        const __m512i c2 = _mm512_shuffle_i32x4(b[8 + m], b[12 + m], 0x44), c3 = _mm512_shuffle_i32x4(b[8 + m], b[12 + m], 0xee);
+        r[m] = _mm512_shuffle_i32x4(c0, c2, 0x88);
+        r[4 + m] = _mm512_shuffle_i32x4(c0, c2, 0xdd);
+        r[8 + m] = _mm512_shuffle_i32x4(c1, c3, 0x88);
+        r[12 + m] = _mm512_shuffle_i32x4(c1, c3, 0xdd);
+    }
+}
 
 /* rows [r, r+nr) (nr <= 64; missing rows are w = 0) of columns [c0, c0+kc)
- * (kc <= 512, a multiple of 4) into pk[p*G + g] */
-GL_A512_INLINE void a512_pack64_at(const gl_mat *w, int r, int nr, int c0, int kc, __m512i *pk) {
+ * (kc <= 512, a multiple of 4) into pk[p*G + g]: 16 rows x 64 columns are
+ * loaded as they lie and transposed in registers (a gather per vector cost
+ * about as much as the products of 16 tokens).  Each line loaded prefetches
+ * the one pf bytes on (what the next call packs): weights come from DRAM,
+ * and 16 rows' lines loaded in a burst would otherwise wait on its latency. */
+GL_A512_INLINE void a512_pack64_at(const gl_mat *w, int r, int nr, int c0, int kc, ptrdiff_t pf, __m512i *pk) {
     const int cols = w->cols, G = kc / 4;
     const __m512i flip = _mm512_set1_epi8((char)0x80);
-    const __m512i idx = _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-                                           _mm512_set1_epi32(cols));
     for (int p = 0; p < 4; p++) {
-        int here = nr - 16 * p;
-        const __mmask16 m = here >= 16 ? (__mmask16)0xffff : here > 0 ? a512_mask16(here) : 0;
+        const int here = nr - 16 * p;
+        if (here <= 0) {
+            for (int g = 0; g < G; g++) pk[p * G + g] = flip;
+            continue;
+        }
         const int8_t *src = (const int8_t *)w->data + (size_t)(r + 16 * p) * (size_t)cols + c0;
-        for (int g = 0; g < G; g++) {
-            __m512i v = m ? _mm512_mask_i32gather_epi32(_mm512_setzero_si512(), m, idx, src + 4 * g, 1) : _mm512_setzero_si512();
-            pk[p * G + g] = _mm512_xor_si512(v, flip);
+        for (int cc = 0; cc < kc; cc += 64) {
+            const int nb = kc - cc < 64 ? kc - cc : 64;
+            const __mmask64 m = a512_mask64(nb);
+            __m512i v[16];
+            for (int l = 0; l < 16; l++) {
+                const int8_t *line = src + (size_t)l * (size_t)cols + cc;
+                if (l < here) _mm_prefetch((const char *)((uintptr_t)line + (uintptr_t)pf), _MM_HINT_T0);   /* may lie past w */
+                v[l] = l < here ? _mm512_maskz_loadu_epi8(m, line) : _mm512_setzero_si512();
+            }
+            a512_transpose16_epi32(v);
+            for (int j = 0; j < nb / 4; j++) pk[p * G + cc / 4 + j] = _mm512_xor_si512(v[j], flip);
         }
     }
 }
@@ -431,7 +480,7 @@ GL_A512_INLINE void a512_matmul_q8_packed(const gl_mat *w, const int8_t *xq, con
     const int G = w->cols / 4;
     for (int r = r0; r < r1; r += A512_PK_ROWS) {
         const int nr = r1 - r < A512_PK_ROWS ? r1 - r : A512_PK_ROWS;
-        a512_pack64_at(w, r, nr, 0, w->cols, pk);
+        a512_pack64_at(w, r, nr, 0, w->cols, (ptrdiff_t)A512_PK_ROWS * w->cols, pk);   /* the next 64 rows */
         for (int i = 0; i < n; i += A512_PK_NT) {
             const int nt = n - i < A512_PK_NT ? n - i : A512_PK_NT;
             const int8_t *xi = xq + (size_t)i * ldx;
@@ -448,16 +497,17 @@ GL_A512_INLINE void a512_matmul_q8_packed(const gl_mat *w, const int8_t *xq, con
     }
 }
 
-/* Long rows and many tokens (prefill's GEMMs): the same packed panels, 512
- * columns at a time.  For 64 rows, every block of up to A512_PKK_NT tokens
- * keeps exact int32 sums on the stack; each 512-column slice of the rows is
- * packed once and passed over by all of the block's tokens, six at a time,
- * one weight vector feeding six vpdpbusd with the tokens' 4 bytes broadcast
- * -- instead of a tile's weight and token loads feeding one each.  The sums
- * are the exact int32 dot products, so the bits are the scalar set's. */
+/* Long rows and 16+ tokens (prefill's GEMMs, batched decode): the same
+ * packed panels, 512 columns at a time.  For 64 rows, every block of up to
+ * A512_PKK_NT tokens keeps exact int32 sums on the stack; each 512-column
+ * slice of the rows is packed once and passed over by all of the block's
+ * tokens, six at a time, one weight vector feeding six vpdpbusd with the
+ * tokens' 4 bytes broadcast -- instead of a tile's weight and token loads
+ * feeding one each.  The sums are the exact int32 dot products, so the bits
+ * are the scalar set's. */
 #define A512_PKK_NT 96
 #ifndef A512_PKK_MIN
-#define A512_PKK_MIN 48   /* fewer tokens: the tiles (packing costs a gather per 16 rows x 4 columns) */
+#define A512_PKK_MIN 16   /* fewer tokens: the tiles (see A512_PK_MIN) */
 #endif
 
 GL_A512_INLINE void a512_pkk_tile(const __m512i *pk, int G, const int8_t *xq, int ldx, int nt, int32_t *acc) {
@@ -486,7 +536,7 @@ GL_A512_INLINE void a512_matmul_q8_packed_k(const gl_mat *w, const int8_t *xq, c
             memset(acc, 0, sizeof(int32_t) * 64 * (size_t)ni);
             for (int c0 = 0; c0 < cols; c0 += A512_PK_COLS) {
                 const int kc = cols - c0 < A512_PK_COLS ? cols - c0 : A512_PK_COLS, G = kc / 4;
-                a512_pack64_at(w, r, nr, c0, kc, pk);
+                a512_pack64_at(w, r, nr, c0, kc, c0 + kc < cols ? kc : (ptrdiff_t)A512_PK_ROWS * cols - c0, pk);
                 for (int i = 0; i < ni; i += A512_PK_NT) {
                     const int nt = ni - i < A512_PK_NT ? ni - i : A512_PK_NT;
                     const int8_t *xi = xb + (size_t)i * ldx + c0;
@@ -521,7 +571,7 @@ GL_A512_INLINE void a512_matmul_q8_packed_k(const gl_mat *w, const int8_t *xq, c
 static GL_A512 void a512_matmul_q8(const gl_mat *w, const int8_t *xq, const float *xscale, int n, int ldx,
                                    float *y, int ldy, int r0, int r1) {
     int32_t xsum[A512_XSUM_MAX];
-    const int short_rows = w->cols <= A512_PK_COLS && n >= 16;           /* enough tokens to pay the packing */
+    const int short_rows = w->cols <= A512_PK_COLS && n >= A512_PK_MIN(w->cols);
     if (w->cols % 4 == 0 && (short_rows || n >= A512_PKK_MIN)) {         /* packed panels */
         for (int i0 = 0; i0 < n; i0 += A512_XSUM_MAX) {
             const int ni = n - i0 < A512_XSUM_MAX ? n - i0 : A512_XSUM_MAX;
