@@ -372,8 +372,7 @@ GL_A512_INLINE void a512_panels_q8(const gl_mat *w, int nr, const int8_t *xq, co
  * shuffles per 16 rows x 64 columns) must pay for itself.  Measured on Zen 5
  * (one thread, tiles against panels in one run, weights streaming from DRAM
  * as in a model and sitting in cache): rows of 128 columns gain from 4
- * tokens (the tiles' reductions dominate there), rows of 512 from 12, long
- * rows from 16. */
+ * tokens (the tiles' reductions dominate there), longer rows from 12. */
 #ifndef A512_PK_MIN
 #define A512_PK_MIN(cols) ((cols) <= 256 ? 4 : 12)
 #endif
@@ -497,7 +496,7 @@ GL_A512_INLINE void a512_matmul_q8_packed(const gl_mat *w, const int8_t *xq, con
     }
 }
 
-/* Long rows and 16+ tokens (prefill's GEMMs, batched decode): the same
+/* Long rows and 12+ tokens (prefill's GEMMs, batched decode): the same
  * packed panels, 512 columns at a time.  For 64 rows, every block of up to
  * A512_PKK_NT tokens keeps exact int32 sums on the stack; each 512-column
  * slice of the rows is packed once and passed over by all of the block's
@@ -506,9 +505,6 @@ GL_A512_INLINE void a512_matmul_q8_packed(const gl_mat *w, const int8_t *xq, con
  * feeding one each.  The sums are the exact int32 dot products, so the bits
  * are the scalar set's. */
 #define A512_PKK_NT 96
-#ifndef A512_PKK_MIN
-#define A512_PKK_MIN 16   /* fewer tokens: the tiles (see A512_PK_MIN) */
-#endif
 
 GL_A512_INLINE void a512_pkk_tile(const __m512i *pk, int G, const int8_t *xq, int ldx, int nt, int32_t *acc) {
     __m512i a[4][A512_PK_NT];
@@ -571,8 +567,8 @@ GL_A512_INLINE void a512_matmul_q8_packed_k(const gl_mat *w, const int8_t *xq, c
 static GL_A512 void a512_matmul_q8(const gl_mat *w, const int8_t *xq, const float *xscale, int n, int ldx,
                                    float *y, int ldy, int r0, int r1) {
     int32_t xsum[A512_XSUM_MAX];
-    const int short_rows = w->cols <= A512_PK_COLS && n >= A512_PK_MIN(w->cols);
-    if (w->cols % 4 == 0 && (short_rows || n >= A512_PKK_MIN)) {         /* packed panels */
+    if (w->cols % 4 == 0 && n >= A512_PK_MIN(w->cols)) {                 /* packed panels */
+        const int short_rows = w->cols <= A512_PK_COLS;
         for (int i0 = 0; i0 < n; i0 += A512_XSUM_MAX) {
             const int ni = n - i0 < A512_XSUM_MAX ? n - i0 : A512_XSUM_MAX;
             const int8_t *xb = xq + (size_t)i0 * ldx;
