@@ -1464,12 +1464,23 @@ typedef struct {
     rx_frame       *stack;  size_t sp, cap;
     int            *slots;  int n_slots;
     long            budget;   /* backtracks left in this match attempt   */
+    long long       total;    /* ... and in the whole tokenize call      */
+    long long       steps;    /* backtracks taken (tests read it)        */
     int             oom;
 } rx_vm;
 
 /* Oniguruma gives up a match attempt after this many backtracks; so do we
- * (the attempt then fails), so that a hostile pattern cannot hang encode. */
+ * (the attempt then fails).  That alone still lets a hostile pattern (a
+ * nested repeat such as \s** before text that never follows) spend the
+ * limit at every position: seconds for 256 bytes, hours for a long prompt.
+ * So a tokenize call also has a total, RX_BACKTRACK_LIMIT plus
+ * RX_BACKTRACKS_PER_BYTE for each byte of its text; once it is spent, the
+ * searches of that call find nothing more and the rest of the text stays
+ * one piece.  Real pre-tokenizer patterns backtrack a few times per
+ * character, far inside it; Oniguruma has no such total (HF would take the
+ * hours). */
 #define RX_BACKTRACK_LIMIT 10000000L
+#define RX_BACKTRACKS_PER_BYTE 1000
 
 static int rx_push(rx_vm *vm, int pc, int pos) {
     if (vm->sp == vm->cap) {
@@ -1575,6 +1586,7 @@ static int rx_run(const rx_prog *p, rx_vm *vm, int pc, int pos, int depth) {
             rx_frame f = vm->stack[--vm->sp];
             if (f.pc < 0) { vm->slots[-f.pc - 1] = f.pos; continue; }
             vm->budget--;
+            vm->steps++;
             pc = f.pc; pos = f.pos;
             break;
         }
@@ -1596,8 +1608,12 @@ static int rx_search(const rx_prog *p, rx_vm *vm, int from, int *ms, int *me) {
             if (in0->op == RX_CLASS && !rx_class_has(&p->cls[in0->x], vm->cp[s], vm->props[s])) continue;
             if (in0->op == RX_CHAR && vm->cp[s] != (uint32_t)in0->x) continue;
         } else if (in0->op == RX_CLASS || in0->op == RX_CHAR) break;
-        vm->budget = RX_BACKTRACK_LIMIT;
+        if (vm->total <= 0) return 0;                /* the call's total is spent */
+        /* an attempt fails on the backtrack after its budget: budget + 1 steps */
+        vm->budget = vm->total <= RX_BACKTRACK_LIMIT ? (long)vm->total - 1 : RX_BACKTRACK_LIMIT;
+        long long before = vm->steps;
         int e = rx_run(p, vm, 0, s, 0);
+        vm->total -= vm->steps - before;
         if (vm->oom) return 0;
         if (e >= 0) { *ms = s; *me = e; return 1; }
     }
@@ -2803,6 +2819,7 @@ static int tokenizer_encode(const tokenizer *t, const char *text, size_t len, in
     memset(&e, 0, sizeof e);
     e.t = t; e.out = out; e.cap = cap;
     e.no_special = (flags & CM384_TOK_NO_SPECIAL) != 0;
+    e.vm.total = RX_BACKTRACK_LIMIT + (long long)RX_BACKTRACKS_PER_BYTE * (long long)len;
     if ((flags & CM384_TOK_ADD_BOS) && t->bos_id >= 0) enc_emit(&e, t->bos_id);
     if (len) enc_added(&e, (const uint8_t *)text, len, 0);
     free(e.cp); free(e.props); free(e.off); free(e.tcp); free(e.tprops);

@@ -128,8 +128,95 @@ static void ff_config_numbers(void) {
     rmdir(ff_dir);
 }
 
+/* A tokenizer.json whose Split regex repeats a repeat (\s**, which Oniguruma
+ * accepts as nested) before text that never follows: in a run of spaces
+ * every start position spent the 10M backtracks a match attempt may take --
+ * 4 s for the 256 bytes the tokenizer harness fed it (a slow unit it
+ * reported), hours for a long prompt.  A tokenize call now has a total
+ * (RX_BACKTRACK_LIMIT + RX_BACKTRACKS_PER_BYTE a byte): the searches must
+ * stay inside it and still cover the text, and the harness's reproducer
+ * must tokenize a long run of spaces. */
+static void ff_nested_repeat(void) {
+    printf("a pre-tokenizer regex with a nested repeat:\n");
+    static const char pat[] = "\\s**\r\n]+|\\s+(?!\\S)|\\s+";
+    arena a;
+    memset(&a, 0, sizeof a);
+    rx_prog prog;
+    const char *err = NULL;
+    int r = rx_compile(pat, sizeof pat - 1, &a, &prog, &err);
+    CHECK(r == CM384_OK, "compile: %s", err ? err : "?");
+    enum { N = 2000 };
+    uint32_t *cp = malloc(N * sizeof *cp);
+    uint8_t *props = malloc(N);
+    if (r || !cp || !props) { free(cp); free(props); arena_free(&a); return; }
+    for (int i = 0; i < N; i++) { cp[i] = i == N - 1 ? 'x' : ' '; props[i] = unicode_props(cp[i]); }
+    tok_enc e;
+    memset(&e, 0, sizeof e);
+    long long total = RX_BACKTRACK_LIMIT + (long long)RX_BACKTRACKS_PER_BYTE * N;   /* as tokenizer_encode */
+    e.vm.total = total;
+    segs_regex(&e, &prog, cp, props, N);
+    CHECK(e.vm.steps > RX_BACKTRACK_LIMIT, "only %lld backtracks: the pattern is not the hostile one", e.vm.steps);
+    CHECK(e.vm.steps <= total, "%lld backtracks, beyond the call's total %lld", e.vm.steps, total);
+    int covered = 0, contiguous = 1;
+    for (size_t i = 0; i < e.seg_n; i++) {
+        contiguous &= e.seg[i].s == covered;
+        covered = e.seg[i].e;
+    }
+    CHECK(e.status == 0 && contiguous && covered == N, "segments cover [0, %d) of %d (status %d)", covered, N, e.status);
+    printf("  %d spaces and an x: %lld backtracks (total allowed %lld), %zu segments\n", N - 1, e.vm.steps, total, e.seg_n);
+    free(e.seg); free(e.vm.stack); free(e.vm.slots);
+    free(cp); free(props);
+    arena_free(&a);
+
+    /* DeepSeek-V3's tokenizer with its first Split regex made hostile: a
+       long run of spaces must come back intact */
+    FILE *f = fopen("tests/fixtures/tokenizer/tokenizer.json", "rb");
+    CHECK(f != NULL, "tests/fixtures/tokenizer/tokenizer.json");
+    if (!f) return;
+    fseek(f, 0, SEEK_END);
+    long size = ftell(f);
+    fseek(f, 0, SEEK_SET);
+    static const char from[] = "\"\\\\p{N}{1,3}\"", to[] = "\"\\\\s**[\\r\\n]+\"";
+    char *json = malloc((size_t)size + sizeof to), *text = malloc(N + 1), *back = malloc(N + 1);
+    size_t got = json ? fread(json, 1, (size_t)size, f) : 0;
+    fclose(f);
+    char *at = NULL;
+    if (json && got == (size_t)size) { json[size] = 0; at = strstr(json, from); }
+    CHECK(at != NULL, "the fixture's first Split regex \\p{N}{1,3} is not where the test expects it");
+    char path[700] = "";
+    if (at && text && back) {
+        memmove(at + sizeof to - 1, at + sizeof from - 1, strlen(at + sizeof from - 1) + 1);
+        memcpy(at, to, sizeof to - 1);
+        snprintf(path, sizeof path, "/tmp/cm384-test-nested-XXXXXX");
+        int fd = mkstemp(path);
+        FILE *o = fd >= 0 ? fdopen(fd, "wb") : NULL;
+        if (o) { fputs(json, o); fclose(o); }
+        char named[640];
+        snprintf(named, sizeof named, "%s.json", path);
+        if (rename(path, named) == 0) snprintf(path, sizeof path, "%s", named);
+        cm384_model *m = NULL;
+        r = cm384_model_load(path, NULL, &m);
+        CHECK(r == CM384_OK, "the hostile tokenizer: %s", cm384_last_error());
+        if (r == CM384_OK) {
+            memset(text, ' ', N);
+            text[N - 1] = 'x';
+            int32_t *ids = malloc(sizeof(int32_t) * N);
+            int n = ids ? cm384_tokenize(m, text, N, ids, N, 0) : -1;
+            int d = n > 0 ? cm384_detokenize(m, ids, n, back, N + 1) : -1;
+            CHECK(n > 0 && d == N && !memcmp(back, text, N), "%d spaces and an x: %d ids, %d bytes back (%s)",
+                  N - 1, n, d, cm384_last_error());
+            printf("  DeepSeek-V3's tokenizer with \\s**[\\r\\n]+ first: %d spaces and an x -> %d ids -> the text\n", N - 1, n);
+            free(ids);
+        }
+        cm384_model_free(m);
+        unlink(path);
+    }
+    free(json); free(text); free(back);
+}
+
 TEST_MAIN(fuzzfix) {
     ff_misaligned_16bit();
     ff_config_numbers();
+    ff_nested_repeat();
     return test_summary("fuzzfix");
 }
