@@ -45,6 +45,13 @@
  * 2048x2048 int8 18.9 -> 24.9 GB/s).  Shorter rows: a panel is one run. */
 #define A512_ROWWISE_MAX_N 2
 #define A512_ROWWISE_MIN_BYTES 1024
+
+/* Where the 4-row panels of rows [r0, r1) end (the rest go one row at a
+ * time): at r0 when the rows go one at a time, as above. */
+static inline int a512_panels_end(int n, size_t row_bytes, int r0, int r1) {
+    if (n <= A512_ROWWISE_MAX_N && row_bytes >= A512_ROWWISE_MIN_BYTES) return r0;
+    return r0 + (r1 - r0) / A512_NR * A512_NR;
+}
 #define A512_XSUM_MAX 1024   /* tokens per block in the W8A8 path (their sums live on the stack) */
 
 /* Mask of the first rem (0..16) lanes / (0..64) bytes. */
@@ -227,8 +234,7 @@ GL_A512_INLINE void a512_matmul_typed(int type, const gl_mat *w, const float *x,
         a512_tokens_outer(type, w, x, n, ldx, y, ldy, r0, r1);
         return;
     }
-    const int rowwise = n <= A512_ROWWISE_MAX_N && (size_t)w->cols * gl_type_size(type) >= A512_ROWWISE_MIN_BYTES;
-    const int nb = gl_token_block(w->cols, 4), r = rowwise ? r0 : r0 + (r1 - r0) / A512_NR * A512_NR;
+    const int nb = gl_token_block(w->cols, 4), r = a512_panels_end(n, (size_t)w->cols * gl_type_size(type), r0, r1);
     for (int i0 = 0; i0 < n; i0 += nb) {
         const int ni = n - i0 < nb ? n - i0 : nb;
         a512_panels(type, w, A512_NR, x + (size_t)i0 * ldx, ni, ldx, y + (size_t)i0 * ldy, ldy, r0, r);
@@ -589,8 +595,7 @@ static GL_A512 void a512_matmul_q8(const gl_mat *w, const int8_t *xq, const floa
     }
     int nb = gl_token_block(w->cols, 1);
     if (nb > A512_XSUM_MAX) nb = A512_XSUM_MAX;
-    const int rowwise = n <= A512_ROWWISE_MAX_N && w->cols >= A512_ROWWISE_MIN_BYTES;
-    const int r = rowwise ? r0 : r0 + (r1 - r0) / A512_NR * A512_NR;
+    const int r = a512_panels_end(n, (size_t)w->cols, r0, r1);
     for (int i0 = 0; i0 < n; i0 += nb) {
         const int ni = n - i0 < nb ? n - i0 : nb;
         const int8_t *xb = xq + (size_t)i0 * ldx;
@@ -862,8 +867,7 @@ GL_A512BF_INLINE void a512bf_panels(const gl_mat *w, int nr, const float *x, int
 }
 
 static GL_A512BF void a512bf_matmul_bf16(const gl_mat *w, const float *x, int n, int ldx, float *y, int ldy, int r0, int r1) {
-    const int rowwise = n <= A512_ROWWISE_MAX_N && (size_t)w->cols * 2 >= A512_ROWWISE_MIN_BYTES;
-    const int nb = gl_token_block(w->cols, 4), r = rowwise ? r0 : r0 + (r1 - r0) / A512_NR * A512_NR;
+    const int nb = gl_token_block(w->cols, 4), r = a512_panels_end(n, (size_t)w->cols * 2, r0, r1);
     for (int i0 = 0; i0 < n; i0 += nb) {
         const int ni = n - i0 < nb ? n - i0 : nb;
         a512bf_panels(w, A512_NR, x + (size_t)i0 * ldx, ni, ldx, y + (size_t)i0 * ldy, ldy, r0, r);
