@@ -5744,6 +5744,8 @@ static void region_add_mm(region *rg, int n_workers, mm_job *jb, int device) {
 #define CORE_TILE 4       /* queries of one sequence the attention core takes together */
 #define CORE_KEYS 64      /* keys per attention-core chunk (rounded up to whole KV blocks) */
 #define CORE_SLACK 8.0f   /* the core's softmax terms stay below e^8 (see t_core)         */
+#define CORE_LANES 4      /* a query's key chunks go round-robin to this many partial softmaxes */
+#define CORE_SPLIT_TILES 4 /* at most this many tiles have their lanes run as separate tasks */
 
 /* What travels with each dispatched row besides its payload (and, with INT8
  * dispatch, its per-token scale): where the expert's output must go back. */
@@ -5768,7 +5770,11 @@ typedef struct fwd_scratch {
     float  *ffa, *ffb;         /* [cap][max(inter, shared inter, 2*dim)]           */
     int     core_chunk;        /* keys per attention-core chunk                    */
     float  *scores;            /* [workers][CORE_TILE][H][core_chunk]             */
-    float  *run_ml;            /* [workers][CORE_TILE][H][2] running max and sum  */
+    float  *run_ml;            /* [workers][2][CORE_TILE][H][2] running max and sum:
+                                  the lane being run, and the lanes folded so far */
+    float  *lane_lat;          /* [workers][CORE_TILE][H][kv_lora] a lane's latents */
+    float  *split_ml;          /* [CORE_SPLIT_TILES][CORE_TILE][H][CORE_LANES][2]   */
+    float  *split_lat;         /* [CORE_SPLIT_TILES][CORE_TILE][CORE_LANES-1][H][kv_lora] */
     int    *tile_row, *tile_n; /* [cap] attention-core tiles: first row, rows      */
     int    *tile_first;        /* [cap+1] per device group: its first tile         */
     float  *router;            /* [cap][E] router logits                           */
@@ -5834,7 +5840,10 @@ static void scratch_carve(carver *c, fwd_scratch *s, const hparams *hp, int cap,
     s->ffa = F(C * inter); s->ffb = F(C * inter);
     s->core_chunk = (CORE_KEYS + block - 1) / block * block;
     s->scores = F((size_t)workers * H * CORE_TILE * (size_t)s->core_chunk);
-    s->run_ml = F((size_t)workers * H * CORE_TILE * 2);
+    s->run_ml = F((size_t)workers * 2 * H * CORE_TILE * 2);
+    s->lane_lat = F((size_t)workers * CORE_TILE * H * hp->kv_lora);
+    s->split_ml = F((size_t)CORE_SPLIT_TILES * CORE_TILE * H * CORE_LANES * 2);
+    s->split_lat = F((size_t)CORE_SPLIT_TILES * CORE_TILE * (CORE_LANES - 1) * H * hp->kv_lora);
     s->tile_row = carve(c, C * sizeof(int));
     s->tile_n = carve(c, C * sizeof(int));
     s->tile_first = carve(c, (C + 1) * sizeof(int));
@@ -6149,7 +6158,9 @@ typedef struct op {
     const gl_mat        *head;      /* OP_HEAD                                          */
     const float         *head_norm;
     const float         *h_in;      /* OP_MTP_IN: [n][dim] main model's final hidden    */
-    int                  core_split;/* OP_ATTN: tasks per token in the attention core   */
+    int                  core_split;/* OP_ATTN: head groups per tile in the attention core */
+    int                  core_lanes;/* OP_ATTN: CORE_LANES when a tile's lanes are tasks of
+                                       their own (few tiles), else 1                   */
     region              *rg;        /* the peer's region its stages add to              */
 } op;
 
@@ -6343,44 +6354,53 @@ static void t_absorb(void *ctx, int g, int h, int worker) {
  * and heads the input, so a key's row is read once for all of them.  Each
  * (query, head) keeps a running shift M and sum L of e^(scale*(score - M));
  * then the chunk's rows, still in cache, are added with their weights to the
- * attended latent, which is divided by L at the end.  M is raised (and the
- * latent and L scaled down to match) only when a score exceeds it by enough
- * that e^(scale*(score - M)) could pass e^CORE_SLACK, so that is rare.  Each
- * latent row comes from memory once per task, not once for the scores and
- * again for the sum, and no buffer grows with the context.  Every (query,
- * head) result is the same whatever tile or split it falls in: the kernels'
- * per-row results do not depend on the batch, and each query visits the
- * same chunks (fixed by KV slot) in the same order. */
-static void t_core(void *ctx, int g, int task, int worker) {
-    op *o = ctx;
+ * attended latent.  M is raised (and the latent and L scaled down to match)
+ * only when a score exceeds it by enough that e^(scale*(score - M)) could
+ * pass e^CORE_SLACK, so that is rare.  Each latent row comes from memory
+ * once per task, not once for the scores and again for the sum, and no
+ * buffer grows with the context.
+ *
+ * The chunks (fixed by KV slot) go round-robin to CORE_LANES lanes, each a
+ * partial softmax of its own (M, L and an unnormalized latent); the lanes are
+ * folded in lane order and the latent divided by L at the end.  One query
+ * decoding over a long context is then CORE_LANES tasks that read a quarter
+ * of its latent cache each, instead of tasks that split the heads and read
+ * all of it again (at 4k tokens that reading was most of a decode step).
+ * Every (query, head) result is the same whatever tile, split or task it
+ * falls in: the kernels' per-row results do not depend on the batch, each
+ * lane visits the same chunks in the same order, and the fold is the same
+ * function in the same order wherever it runs.  A context of one chunk has
+ * one lane and no fold. */
+
+/* One lane of a tile over heads [h0, h1): its unnormalized latents at
+ * lat + h * ldh + q * ldq, its M and L at ml + (q * H + h) * 2 (L = 0: the
+ * lane saw no key of that query, and its latent is left unwritten). */
+static void core_lane(op *o, int tile, int h0, int h1, int lane, float *lat, size_t ldh, size_t ldq, float *ml_out,
+                      int worker) {
     microbatch *mb = o->mb;
     struct cm384_engine *e = o->e;
     const hparams *hp = &e->m->hp;
     const gl_kernels *k = e->k;
     fwd_scratch *s = mb->s;
-    int H = hp->n_heads, lat = hp->kv_lora + hp->qk_rope, R = hp->kv_lora, B = e->kv.block_tokens;
+    int H = hp->n_heads, lat_w = hp->kv_lora + hp->qk_rope, R = hp->kv_lora, B = e->kv.block_tokens;
     int CH = s->core_chunk;                                          /* keys per chunk: whole blocks */
-    int tile = s->tile_first[g] + task / o->core_split;
-    int per = (H + o->core_split - 1) / o->core_split, h0 = task % o->core_split * per, h1 = h0 + per;
-    if (h1 > H) h1 = H;
     int r0 = s->tile_row[tile], nq = s->tile_n[tile], sh = mb->kv_shift;
     int p0 = mb->pos[r0], n_keys = mb->pos[r0 + nq - 1] + 1;       /* keys of the last query */
     const int *tab = mb->tables[r0];
     float *sc = s->scores + (size_t)worker * CORE_TILE * H * CH;     /* [q][h][key in chunk] */
-    float *run = s->run_ml + (size_t)worker * CORE_TILE * H * 2;     /* [q][h]: M, L         */
     float scale = e->m->attn_scale, slack = e->core_slack / scale;
 #define SC(h, q) (sc + ((size_t)(q) * H + (h)) * CH)
-#define ML(h, q) (run + ((size_t)(q) * H + (h)) * 2)
-#define LATENT(h, q) (s->ctx + ((size_t)(h) * s->cap + r0 + (q)) * R)
+#define ML(h, q) (ml_out + ((size_t)(q) * H + (h)) * 2)
+#define LATENT(h, q) (lat + (size_t)(h) * ldh + (size_t)(q) * ldq)
     for (int q = 0; q < nq; q++)
-        for (int h = h0; h < h1; h++) {
-            ML(h, q)[0] = -INFINITY;
-            ML(h, q)[1] = 0;
-            memset(LATENT(h, q), 0, (size_t)R * sizeof(float));
-        }
+        for (int h = h0; h < h1; h++) ML(h, q)[0] = -INFINITY, ML(h, q)[1] = 0;
     for (int c0 = 0; c0 < n_keys;) {
         int c1 = c0 + CH - (c0 + sh) % CH;            /* the chunk's end, by slot */
         if (c1 > n_keys) c1 = n_keys;
+        if ((c0 + sh) / CH % CORE_LANES != lane) {   /* another lane's chunk */
+            c0 = c1;
+            continue;
+        }
         /* scores, a block's run of keys at a time (slot = key + kv_shift);
          * every head of a query reads the same latent rows (MLA), so the heads
          * are the product's batch: one call per query, or one for the whole
@@ -6388,12 +6408,12 @@ static void t_core(void *ctx, int g, int task, int worker) {
         for (int j0 = c0; j0 < c1;) {
             int nk = B - (j0 + sh) % B;
             if (nk > c1 - j0) nk = c1 - j0;
-            gl_mat kb = {GL_F32, nk, lat, kv_row(&e->kv, tab, o->layer, j0 + sh), NULL};
+            gl_mat kb = {GL_F32, nk, lat_w, kv_row(&e->kv, tab, o->layer, j0 + sh), NULL};
             if (h0 == 0 && h1 == H)
-                k->matmul(&kb, s->qlat + (size_t)r0 * H * lat, nq * H, lat, SC(0, 0) + (j0 - c0), CH, 0, nk);
+                k->matmul(&kb, s->qlat + (size_t)r0 * H * lat_w, nq * H, lat_w, SC(0, 0) + (j0 - c0), CH, 0, nk);
             else
                 for (int q = 0; q < nq; q++)
-                    k->matmul(&kb, s->qlat + ((size_t)(r0 + q) * H + h0) * lat, h1 - h0, lat,
+                    k->matmul(&kb, s->qlat + ((size_t)(r0 + q) * H + h0) * lat_w, h1 - h0, lat_w,
                               SC(h0, q) + (j0 - c0), CH, 0, nk);
             j0 += nk;
         }
@@ -6405,7 +6425,8 @@ static void t_core(void *ctx, int g, int task, int worker) {
                 float *p = SC(h, q), *ml = ML(h, q), bm = p[0];
                 for (int j = 1; j < m; j++) if (p[j] > bm) bm = p[j];
                 if (ml[1] == 0) {
-                    ml[0] = bm;                        /* the first chunk sets the shift */
+                    ml[0] = bm;                        /* the lane's first chunk sets the shift */
+                    memset(LATENT(h, q), 0, (size_t)R * sizeof(float));
                 } else if (bm > ml[0] + slack) {       /* raise it: scale down what came before */
                     float f = expf(scale * (ml[0] - bm)), *lt = LATENT(h, q);
                     ml[1] *= f;
@@ -6417,21 +6438,109 @@ static void t_core(void *ctx, int g, int task, int worker) {
             for (int j0 = c0; j0 < c0 + m;) {          /* weighted rows, a block's run at a time */
                 int nk = B - (j0 + sh) % B;
                 if (nk > c0 + m - j0) nk = c0 + m - j0;
-                k->axpy_rows_n(LATENT(h0, q), s->cap * R, kv_row(&e->kv, tab, o->layer, j0 + sh), lat,
+                k->axpy_rows_n(LATENT(h0, q), (int)ldh, kv_row(&e->kv, tab, o->layer, j0 + sh), lat_w,
                                SC(h0, q) + (j0 - c0), CH, h1 - h0, nk, R);
                 j0 += nk;
             }
         }
         c0 = c1;
     }
-    for (int q = 0; q < nq; q++)
-        for (int h = h0; h < h1; h++) {
-            float inv = 1.0f / ML(h, q)[1], *lt = LATENT(h, q);
-            for (int i = 0; i < R; i++) lt[i] *= inv;
-        }
 #undef SC
 #undef ML
 #undef LATENT
+}
+
+/* Folds a lane (latent part, M and L in part_ml) into the lanes before it
+ * (acc, acc_ml); an empty lane (L = 0) adds nothing.  The side with the
+ * smaller shift is scaled onto the other's, by the kernels' axpy (part is
+ * scratch and may be overwritten). */
+static void core_fold(const gl_kernels *k, float *acc, float *acc_ml, float *part, const float *part_ml, int R,
+                      float scale) {
+    if (part_ml[1] == 0) return;
+    if (acc_ml[1] == 0) {
+        memcpy(acc, part, (size_t)R * sizeof(float));
+        acc_ml[0] = part_ml[0];
+        acc_ml[1] = part_ml[1];
+        return;
+    }
+    if (acc_ml[0] >= part_ml[0]) {
+        float f = expf(scale * (part_ml[0] - acc_ml[0]));
+        acc_ml[1] += part_ml[1] * f;
+        k->axpy(acc, part, f, R);
+    } else {
+        float f = expf(scale * (acc_ml[0] - part_ml[0]));
+        acc_ml[0] = part_ml[0];
+        acc_ml[1] = part_ml[1] + acc_ml[1] * f;
+        k->axpy(part, acc, f, R);
+        memcpy(acc, part, (size_t)R * sizeof(float));
+    }
+}
+
+static void core_normalize(float *lat, const float *ml, int R) {
+    float inv = 1.0f / ml[1];
+    for (int i = 0; i < R; i++) lat[i] *= inv;
+}
+
+/* A task of the core: a tile's head group, every lane in turn (folded as
+ * each ends) -- or, when the tile's lanes are tasks of their own
+ * (o->core_lanes > 1), one lane, which t_uv folds. */
+static void t_core(void *ctx, int g, int task, int worker) {
+    op *o = ctx;
+    microbatch *mb = o->mb;
+    fwd_scratch *s = mb->s;
+    const hparams *hp = &o->e->m->hp;
+    int H = hp->n_heads, R = hp->kv_lora, lanes = o->core_lanes, per_tile = lanes * o->core_split;
+    int tile = s->tile_first[g] + task / per_tile, lane = task % per_tile / o->core_split;
+    int per = (H + o->core_split - 1) / o->core_split, h0 = task % o->core_split * per, h1 = h0 + per;
+    if (h1 > H) h1 = H;
+    int r0 = s->tile_row[tile], nq = s->tile_n[tile];
+    float *latent = s->ctx + (size_t)r0 * R;                         /* [h][cap][R] from row r0 */
+    size_t ldh = (size_t)s->cap * R;
+    if (lanes > 1) {              /* one lane: lane 0 in place, the others beside it */
+        float *ml = s->split_ml + (size_t)tile * CORE_TILE * H * CORE_LANES * 2;
+        float *run = s->run_ml + (size_t)worker * 2 * CORE_TILE * H * 2;
+        if (lane == 0)
+            core_lane(o, tile, h0, h1, 0, latent, ldh, R, run, worker);
+        else
+            core_lane(o, tile, h0, h1, lane, s->split_lat + (size_t)tile * CORE_TILE * (CORE_LANES - 1) * H * R +
+                      (size_t)(lane - 1) * H * R, R, (size_t)(CORE_LANES - 1) * H * R, run, worker);
+        for (int q = 0; q < nq; q++)
+            for (int h = h0; h < h1; h++)
+                memcpy(ml + (((size_t)q * H + h) * CORE_LANES + lane) * 2, run + ((size_t)q * H + h) * 2, 2 * sizeof(float));
+        return;
+    }
+    float *acc = s->run_ml + (size_t)worker * 2 * CORE_TILE * H * 2, *run = acc + CORE_TILE * H * 2;
+    float *part = s->lane_lat + (size_t)worker * CORE_TILE * H * R;
+    float scale = o->e->m->attn_scale;
+    core_lane(o, tile, h0, h1, 0, latent, ldh, R, acc, worker);
+    for (int l = 1; l < CORE_LANES; l++) {
+        core_lane(o, tile, h0, h1, l, part, R, (size_t)H * R, run, worker);
+        for (int q = 0; q < nq; q++)
+            for (int h = h0; h < h1; h++)
+                core_fold(o->e->k, latent + h * ldh + (size_t)q * R, acc + ((size_t)q * H + h) * 2,
+                          part + ((size_t)q * H + h) * R, run + ((size_t)q * H + h) * 2, R, scale);
+    }
+    for (int q = 0; q < nq; q++)
+        for (int h = h0; h < h1; h++) core_normalize(latent + h * ldh + (size_t)q * R, acc + ((size_t)q * H + h) * 2, R);
+}
+
+/* The lanes of head h of group g's tiles, when they ran as tasks of their
+ * own: folded in lane order (as t_core folds them) and normalized. */
+static void core_fold_split(op *o, int g, int h) {
+    microbatch *mb = o->mb;
+    fwd_scratch *s = mb->s;
+    const hparams *hp = &o->e->m->hp;
+    int H = hp->n_heads, R = hp->kv_lora;
+    float scale = o->e->m->attn_scale;
+    for (int tile = s->tile_first[g]; tile < s->tile_first[g + 1]; tile++)
+        for (int q = 0; q < s->tile_n[tile]; q++) {
+            float *lt = s->ctx + ((size_t)h * s->cap + s->tile_row[tile] + q) * R;
+            float *ml = s->split_ml + (((size_t)tile * CORE_TILE + q) * H + h) * CORE_LANES * 2;
+            float *lanes = s->split_lat + (size_t)tile * CORE_TILE * (CORE_LANES - 1) * H * R;
+            for (int l = 1; l < CORE_LANES; l++)
+                core_fold(o->e->k, lt, ml, lanes + (((size_t)q * (CORE_LANES - 1) + l - 1) * H + h) * R, ml + 2 * l, R, scale);
+            core_normalize(lt, ml, R);
+        }
 }
 
 /* Cuts each device group's rows into attention-core tiles: runs of
@@ -6465,6 +6574,7 @@ static void t_uv(void *ctx, int g, int h, int worker) {
     const layer_w *L = &o->e->m->layers[o->layer];
     int H = hp->n_heads, R = hp->kv_lora;
     const dev_group *gr = &mb->groups[g];
+    if (o->core_lanes > 1) core_fold_split(o, g, h);
     const float *c = mb->s->ctx + ((size_t)h * mb->s->cap + gr->first) * R;
     float *y = mb->s->att + ((size_t)gr->first * H + h) * hp->v_head;
     const layer_q8 *Q = op_q8(o);
@@ -6782,16 +6892,26 @@ static int attn_stage(op *o, region *rg) {
         return 1;
     case 5:
         core_tiles(mb);
-        {   /* enough tasks for every worker: split heads when tiles are few --
-               but each split reads the sequence's whole latent cache again,
-               so about two tasks per worker (measured: 4 per worker cost a
-               single stream ~7% of its decode speed at 512 tokens) */
-            int tiles = mb->s->tile_first[mb->n_groups];
-            o->core_split = tiles >= 2 * o->e->n_workers ? 1 : (2 * o->e->n_workers + tiles - 1) / tiles;
+        {   /* enough tasks for every worker, about two each: when tiles are
+               few, their lanes run as tasks of their own (each reads its part
+               of the latent cache), then heads are split (each split reads
+               its part again: 4 per worker cost a single stream ~7% of its
+               decode speed at 512 tokens) */
+            fwd_scratch *sc = mb->s;
+            int tiles = sc->tile_first[mb->n_groups], want = 2 * o->e->n_workers, chunks = 1;
+            for (int t = 0; t < tiles; t++) {
+                int r = sc->tile_row[t] + sc->tile_n[t] - 1, c = (mb->pos[r] + mb->kv_shift) / sc->core_chunk - mb->kv_shift / sc->core_chunk + 1;
+                if (c > chunks) chunks = c;
+            }
+            int lanes = chunks < CORE_LANES ? chunks : CORE_LANES;
+            o->core_lanes = tiles < want && tiles <= CORE_SPLIT_TILES && lanes > 1 ? CORE_LANES : 1;
+            int spread = tiles * (o->core_lanes > 1 ? lanes : 1);
+            o->core_split = spread >= want ? 1 : (want + spread - 1) / spread;
             if (o->core_split > H) o->core_split = H;
         }
         FOR_GROUPS(mb, g)
-            region_add(rg, t_core, o, g, (mb->s->tile_first[g + 1] - mb->s->tile_first[g]) * o->core_split,
+            region_add(rg, t_core, o, g,
+                       (mb->s->tile_first[g + 1] - mb->s->tile_first[g]) * o->core_lanes * o->core_split,
                        mb->groups[g].device);
         return 1;
     case 6:
@@ -9463,7 +9583,7 @@ static int cache_dir_open(struct cm384_engine *e, const char *dir) {
     const cm384_config *c = &e->cfg;
     uint64_t fp = model_fingerprint(e->m);
     fp = mix64(fp ^ (uint64_t)(c->int8 > 0) ^ (uint64_t)(c->int8_dispatch > 0) << 1 ^ (uint64_t)e->bf16_combine << 2 ^
-               (uint64_t)e->mtp << 3 ^ (uint64_t)e->kv.block_tokens << 8);
+               (uint64_t)e->mtp << 3 ^ (uint64_t)e->kv.block_tokens << 8 ^ (uint64_t)CORE_LANES << 24);
     fp = mix64(fp ^ hash_str(e->k->name, strlen(e->k->name)));   /* fp32 sums differ in the last bits across kernel sets */
     uint32_t slack;
     memcpy(&slack, &e->core_slack, 4);
