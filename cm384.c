@@ -1179,6 +1179,26 @@ static int rx_bad_target(const rx_node *nodes, int i) {
     }
 }
 
+/* A greedy repeat stacked on a greedy ?, * or + of one character, with
+ * counts that say the same thing is the one repeat it reduces to, as
+ * Oniguruma reduces it: \s**, [a-z]+*, x?* and (?:x?)+ are a * of their
+ * character, (?:x+)+ a +, (?:x?)? a ?.  Each turn takes one character, so
+ * the matches and the order they are tried in stay the same; left stacked,
+ * the outer loop would try every way of cutting a run into turns --
+ * exponential in the run when what follows fails.  Changes the inner repeat
+ * in place and returns 1, or returns 0 (a captured group stays as written). */
+static int rx_reduce_stacked(rx_node *nodes, int atom, int min, int max, int greedy, int possessive) {
+    while (nodes[atom].kind == RN_CAT && !nodes[atom].captured && nodes[atom].kid >= 0 && nodes[nodes[atom].kid].next < 0)
+        atom = nodes[atom].kid;                      /* (?:X) is X */
+    rx_node *in = &nodes[atom];
+    if (in->kind != RN_REPEAT || in->captured || !in->greedy || in->possessive || !greedy || possessive) return 0;
+    int one = nodes[in->kid].kind == RN_CHAR || nodes[in->kid].kind == RN_CLASS || nodes[in->kid].kind == RN_ANY;
+    if (!one || in->min > 1 || min > 1 || (in->max != 1 && in->max != -1) || (max != 1 && max != -1)) return 0;
+    in->min *= min;
+    in->max = in->max == -1 || max == -1 ? -1 : 1;
+    return 1;
+}
+
 static int rx_parse_repeat(rx_parser *ps) {
     int atom;
     uint32_t c = ps->p[ps->i];
@@ -1215,12 +1235,14 @@ static int rx_parse_repeat(rx_parser *ps) {
         if (min > RX_MAX_REPEAT || max > RX_MAX_REPEAT)
             return rx_fail(ps, CM384_E_UNSUPPORTED, "repeat count too large");
         if (max >= 0 && max < min) return rx_fail(ps, CM384_E_FORMAT, "bad repeat range");
+        int greedy = 1, possessive = 0;
+        if (ps->i < ps->n && ps->p[ps->i] == '?') { greedy = 0; ps->i++; }
+        else if (!interval && ps->i < ps->n && ps->p[ps->i] == '+') { possessive = 1; ps->i++; }
+        if (rx_reduce_stacked(ps->nodes, atom, min, max, greedy, possessive)) continue;
         int nd = rx_new(ps, RN_REPEAT);
         if (nd < 0) return -1;
         rx_node *r = &ps->nodes[nd];
-        r->kid = atom; r->min = min; r->max = max; r->greedy = 1;
-        if (ps->i < ps->n && ps->p[ps->i] == '?') { r->greedy = 0; ps->i++; }
-        else if (!interval && ps->i < ps->n && ps->p[ps->i] == '+') { r->possessive = 1; ps->i++; }
+        r->kid = atom; r->min = min; r->max = max; r->greedy = greedy; r->possessive = possessive;
         atom = nd;
     }
     return atom;
