@@ -139,6 +139,24 @@ if [ -n "$LLAMA_BENCH" ] && [ -x "$LLAMA_BENCH" ]; then
     echo " start from an empty context, as llama-bench does; both sides warm up first)"
 fi
 
+# what the context costs a decoded token: the attention core reads and scores
+# the sequence's whole latent cache (576 floats a key, every layer) each step
+LC=$M/bench-M
+if [ -f "$LC/config.json" ] && [ -z "$BENCH_QUICK" ]; then
+    echo
+    echo "== 3c. decode over a long context: bench-M int8, 1 stream, 64 tokens after a prompt of P tokens; medians of $RUNS"
+    printf '%-7s | %9s %9s %9s\n' prompt "tok/s" "ms/token" "context"
+    base=""
+    for p in 16 512 2048 4000; do
+        set -- $(bench_median "decode_tok_s" -m "$LC" -p $p -n 64 --ctx 4096 --requests 1 -t "$T" --int8 --no-warmup)
+        ms=$(awk -v d="$1" 'BEGIN { if (d > 0) printf "%.2f", 1000 / d; else print 0 }')
+        [ -z "$base" ] && base=$ms
+        printf '%-7s | %9.1f %9s %9s\n' $p "$1" "$ms" "$(awk -v m="$ms" -v b="$base" 'BEGIN { if (m > 0) printf "%.0f%%", 100 * (m - b) / m }')"
+    done
+    echo "(context: the share of a token's time that its context adds over a 16-token one -- the attention core;"
+    echo " a lone query's core runs as four lanes over the keys, docs/how-it-works.md section 10)"
+fi
+
 fi
 SM=$M/bench-M
 [ -f "$SM/config.json" ] || SM=$M/bench-S
