@@ -179,6 +179,11 @@ step "gcc -Wall -Wextra -Werror -c cm384.c" gcc -std=c11 -O2 -Wall -Wextra -Werr
 if command -v clang >/dev/null 2>&1; then
     step "clang -Wall -Wextra -Werror -c cm384.c" clang -std=c11 -O2 -Wall -Wextra -Werror -c cm384.c -o "$B/check_clang.o"
 fi
+# the tests too (they include cm384.c): gcc's -O1 warnings, clang's checks
+step "gcc -Wall -Wextra -Werror -O1 tests/main.c" gcc -std=c11 -O1 -Wall -Wextra -Werror -pthread -c tests/main.c -o /dev/null
+if command -v clang >/dev/null 2>&1; then
+    step "clang -Wall -Wextra -Werror tests/main.c" clang -std=c11 -Wall -Wextra -Werror -pthread -fsyntax-only tests/main.c
+fi
 if command -v c++ >/dev/null 2>&1; then
     step "cm384.h compiles as C++" c++ -fsyntax-only -Wall -Wextra -x c++ cm384.h
 fi

@@ -306,7 +306,9 @@ static void pe_trace_overlap(cm384_model *m) {
     /* the events, before the engine writes them out */
     /* steps on the peers' tracks: a decode step the counters saw inside a
        prefill step overlaps it in the trace; devices: the same, per event */
-    int n = atomic_load(&e->n_tev), steps = 0, dev_overlaps = 0, n_pre = 0;
+    pthread_mutex_lock(&e->trace_mu);
+    int n = e->n_tev, steps = 0, dev_overlaps = 0, n_pre = 0;
+    pthread_mutex_unlock(&e->trace_mu);
     for (int pass = 0; pass < 2; pass++)
         for (int i = 0; i < n; i++) {
             const trace_event *a = &e->tev[i];
