@@ -6398,7 +6398,8 @@ static void t_absorb(void *ctx, int g, int h, int worker) {
  * folded in lane order and the latent divided by L at the end.  One query
  * decoding over a long context is then CORE_LANES tasks that read a quarter
  * of its latent cache each, instead of tasks that split the heads and read
- * all of it again (at 4k tokens that reading was most of a decode step).
+ * all of it again (at 4,000 tokens the reading again was a fifth of a
+ * decode step).
  * Every (query, head) result is the same whatever tile, split or task it
  * falls in: the kernels' per-row results do not depend on the batch, each
  * lane visits the same chunks in the same order, and the fold is the same
