@@ -50,6 +50,42 @@ static int collect(void *user, const cm384_event *ev) {
  * (core_slack 0), which real scores rarely ask for. */
 /* preset NULL: the engine made with a NULL config (every default), which
  * must compute the reference exactly. */
+/* Logits of ids[0..n) from a p0-token prefill and then one token at a time
+ * on a decode device (the KV cache between), against cm384_eval's one
+ * prefill: the largest difference (batch invariance: it must be 0). */
+static double incremental_vs_full(cm384_engine *e, const int32_t *ids, int n, int p0, int V) {
+    float *full = malloc(sizeof(float) * n * V), *inc = malloc(sizeof(float) * n * V);
+    if (!full || !inc) { free(full); free(inc); return INFINITY; }
+    cm384_eval(e, ids, n, full, NULL);
+    peer *S = &e->peers[LANE_PREFILL];             /* its working memory, with both peers paused */
+    peers_pause(e);
+    int B = e->kv.block_tokens, nb = (n + B) / B, blocks[64];
+    if (nb > 64) { peers_resume(e); free(full); free(inc); return INFINITY; }
+    pthread_mutex_lock(&e->pool_mu);
+    for (int b = 0; b < nb; b++) blocks[b] = block_get(e);
+    pthread_mutex_unlock(&e->pool_mu);
+    for (int p = 0; p < n;) {
+        int cnt = p == 0 ? p0 : 1;
+        microbatch mb = {0};
+        mb_arrays *a = &S->mba[0];
+        for (int t = 0; t < cnt; t++) { a->pos[t] = p + t; a->tables[t] = blocks; S->dev_of[t] = p ? e->attn_devs[0] : e->pre_devs[0]; }
+        mb.n = cnt; mb.tok = ids + p; mb.pos = a->pos; mb.tables = a->tables;
+        mb.phase = p ? PHASE_DECODE : PHASE_PREFILL; mb.s = &S->s[0]; mb.logits = inc + (size_t)p * V;
+        mb_make_groups(&mb, a->groups, S->dev_of);
+        forward_main(e, &S->rg, &mb, 1);
+        p += cnt;
+    }
+    pthread_mutex_lock(&e->pool_mu);
+    for (int b = 0; b < nb; b++) block_unref(e, blocks[b]);
+    pthread_mutex_unlock(&e->pool_mu);
+    peers_resume(e);
+    double mx = 0;
+    for (size_t k = 0; k < (size_t)n * V; k++) { double d = fabs(full[k] - inc[k]); if (d > mx) mx = d; }
+    free(full);
+    free(inc);
+    return mx;
+}
+
 static void check_topology(cm384_model *m, const char *preset, int microbatches, int kv_block, int rescale_always) {
     if (!preset) printf("[NULL config: every default");
     else printf("[%s, %d microbatch%s", preset, microbatches, microbatches > 1 ? "es" : "");
@@ -167,40 +203,50 @@ static void check_topology(cm384_model *m, const char *preset, int microbatches,
         const json *sq = &seqs->kids[seqs->len - 1];
         int32_t ids[256];
         int n = load_ids(json_get(sq, "tokens"), ids, 256);
-        float *full = malloc(sizeof(float) * n * V), *inc = malloc(sizeof(float) * n * V);
-        cm384_eval(e, ids, n, full, NULL);
-        peer *S = &e->peers[LANE_PREFILL];             /* its working memory, with both peers paused */
-        peers_pause(e);
-        int B = e->kv.block_tokens, nb = (n + B) / B, blocks[64];
-        pthread_mutex_lock(&e->pool_mu);
-        for (int b = 0; b < nb; b++) blocks[b] = block_get(e);
-        pthread_mutex_unlock(&e->pool_mu);
-        /* a 100-token prefill, then one token at a time on a decode device */
-        int p0 = 100;
-        for (int p = 0; p < n;) {
-            int cnt = p == 0 ? p0 : 1;
-            microbatch mb = {0};
-            mb_arrays *a = &S->mba[0];
-            for (int t = 0; t < cnt; t++) { a->pos[t] = p + t; a->tables[t] = blocks; S->dev_of[t] = p ? e->attn_devs[0] : e->pre_devs[0]; }
-            mb.n = cnt; mb.tok = ids + p; mb.pos = a->pos; mb.tables = a->tables;
-            mb.phase = p ? PHASE_DECODE : PHASE_PREFILL; mb.s = &S->s[0]; mb.logits = inc + (size_t)p * V;
-            mb_make_groups(&mb, a->groups, S->dev_of);
-            forward_main(e, &S->rg, &mb, 1);
-            p += cnt;
-        }
-        pthread_mutex_lock(&e->pool_mu);
-        for (int b = 0; b < nb; b++) block_unref(e, blocks[b]);
-        pthread_mutex_unlock(&e->pool_mu);
-        peers_resume(e);
-        double mx = 0;
-        for (size_t k = 0; k < (size_t)n * V; k++) { double d = fabs(full[k] - inc[k]); if (d > mx) mx = d; }
+        double mx = incremental_vs_full(e, ids, n, 100, V);
         printf("  incremental decode vs full forward (%d tokens): max |diff| %.2e\n", n, mx);
         CHECK(mx == 0, "incremental decoding differs from the full forward by %g (batch invariance: it must be 0)", mx);
-        free(full);
-        free(inc);
     }
     free(e->dbg_route);
     e->dbg_route = NULL;
+    cm384_engine_free(e);
+}
+
+/* The attention core's lanes (t_core): with 16-key chunks a 250-token
+ * sequence has 16 chunks, so each of the 4 lanes takes several and folds
+ * run at every step.  Decoded one token at a time (a lone query: its lanes
+ * are tasks of their own) it must give the bits of one prefill (lanes in
+ * turn), and the logits must stay within float noise of the default
+ * 64-key chunks'. */
+static void check_lanes(cm384_model *m) {
+    printf("[attention core lanes: 16-key chunks, 250 tokens]\n");
+    cm384_config c;
+    cm384_config_init(&c);
+    c.n_workers = 2; c.int8_dispatch = 0; c.max_ctx = 256;
+    cm384_engine *e;
+    int r = cm384_engine_create(m, &c, &e);
+    CHECK(r == CM384_OK, "engine_create: %s", cm384_last_error());
+    if (r) return;
+    enum { V = 1024, N = 250 };
+    int32_t ids[N];
+    uint32_t x = 12345;
+    for (int i = 0; i < N; i++) { x = x * 1664525u + 1013904223u; ids[i] = (int32_t)((x >> 8) % V); }
+    float *ref = malloc(sizeof(float) * N * V), *got = malloc(sizeof(float) * N * V);
+    if (ref && got) {
+        cm384_eval(e, ids, N, ref, NULL);                /* the default chunks */
+        for (int l = 0; l < N_LANES; l++)
+            for (int k = 0; k < 2; k++) e->peers[l].s[k].core_chunk = 16;
+        double mx = incremental_vs_full(e, ids, N, 37, V);
+        printf("  incremental decode vs full forward: max |diff| %.2e\n", mx);
+        CHECK(mx == 0, "with 16-key chunks, incremental decoding differs from the full forward by %g", mx);
+        cm384_eval(e, ids, N, got, NULL);
+        double d = 0;
+        for (size_t k = 0; k < (size_t)N * V; k++) if (fabs(got[k] - ref[k]) > d) d = fabs(got[k] - ref[k]);
+        printf("  16-key chunks vs 64-key chunks: logits max |diff| %.2e\n", d);
+        CHECK(d > 0 && d < 1e-4, "16-key and 64-key chunks give logits %g apart", d);
+    }
+    free(ref);
+    free(got);
     cm384_engine_free(e);
 }
 
@@ -340,6 +386,7 @@ TEST_MAIN(golden) {
     check_topology(m, "default", 1, 5, 1);
     check_topology(m, "single", 1, 100, 0);
     check_mtp_drafts(m);
+    check_lanes(m);
     cm384_model_free(m);
     check_v2("tests/fixtures/tiny-dsv2-lite");
     check_v2("tests/fixtures/tiny-dsv2-group");
