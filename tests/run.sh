@@ -94,7 +94,7 @@ step "cm384 command line (tests/test_cli.sh)" sh tests/test_cli.sh "$B/cm384"
 step "cm384 bench (paper preset)" "$B/cm384" bench -m tests/fixtures/tiny-dsv3 -t 2 -p 32 -n 8 --requests 8 --preset paper --json
 step "cm384 project --table4" "$B/cm384" project --table4
 svg_check() {  # the picture is written, complete, and shows the run and the projection
-    "$B/cm384" project --from-run models/shakespeare --run-requests 6 --run-prompt 48 --run-tokens 12 -t 2 --svg "$B/check.svg" || return 1
+    "$B/cm384" project --from-run models/shakespeare --run-requests 6 --run-prompt 48 --run-tokens 32 -t 2 --svg "$B/check.svg" || return 1
     grep -q '</svg>' "$B/check.svg" && grep -q 'three decode steps' "$B/check.svg" && grep -q 'Projected on CloudMatrix384' "$B/check.svg"
 }
 step "cm384 project --from-run --svg" svg_check
