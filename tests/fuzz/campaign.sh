@@ -10,7 +10,8 @@
 # seconds, exit status, crash files) is printed and appended to
 # build/fuzz/campaign.txt.  FUZZ_TIMEOUT (default 60 s) is the per-input
 # timeout; it runs on the wall clock, so raise it if you will pause the
-# campaign (kill -STOP) for longer.
+# campaign (kill -STOP) for longer.  FORK=N runs each harness as N
+# processes in libFuzzer's fork mode (one corpus; RUNS counts them all).
 B=${B:-build}
 BIN=${FUZZ_BIN:-$B/fuzz/cm384_fuzz}
 RUNS=${1:-10000000}
@@ -23,12 +24,21 @@ one() {
     mkdir -p "$B/fuzz/corpus-$name"
     log="$B/fuzz/campaign-$name.log"
     t0=$(date +%s)
-    nice -n 10 "$BIN" -target="$name" -runs="$RUNS" -timeout="${FUZZ_TIMEOUT:-60}" -rss_limit_mb=4096 -print_final_stats=1 \
+    # fork mode starts its jobs from argv[0] without -target: a link named
+    # fuzz_NAME picks the harness instead
+    prog=$BIN fork=
+    if [ "${FORK:-1}" -gt 1 ]; then
+        mkdir -p "$BIN.d" && ln -sf "$(cd "$(dirname "$BIN")" && pwd)/$(basename "$BIN")" "$BIN.d/fuzz_$name"
+        prog=$BIN.d/fuzz_$name fork=-fork=$FORK
+    fi
+    nice -n 10 "$prog" -target="$name" $fork -runs="$RUNS" -timeout="${FUZZ_TIMEOUT:-60}" -rss_limit_mb=4096 -print_final_stats=1 \
         -artifact_prefix="$B/fuzz/crash-$name-" "$B/fuzz/corpus-$name" "tests/fuzz/corpus/$name" >"$log" 2>&1
     rc=$?
     execs=$(sed -n 's/^stat::number_of_executed_units: *//p' "$log" | tail -n 1)
+    # fork mode's parent reports "#EXECS: cov: ..." lines instead
+    [ -n "$execs" ] || execs=$(sed -n 's/^#\([0-9]*\): cov:.*/\1/p' "$log" | tail -n 1)
     crashes=$(ls "$B/fuzz/crash-$name-"* 2>/dev/null | wc -l)
-    line="$name: ${execs:-?} executions in $(($(date +%s) - t0)) s, exit $rc, $crashes crash files ($(date -u +%Y-%m-%dT%H:%MZ), $(git rev-parse --short HEAD 2>/dev/null))"
+    line="$name: ${execs:-?} executions${fork:+ ($fork)} in $(($(date +%s) - t0)) s, exit $rc, $crashes crash files ($(date -u +%Y-%m-%dT%H:%MZ), $(git rev-parse --short HEAD 2>/dev/null))"
     echo "$line"
     echo "$line" >>"$B/fuzz/campaign.txt"
 }
