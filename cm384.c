@@ -5646,13 +5646,16 @@ typedef struct rg_group {
     _Atomic uint64_t t0, t1;    /* first task start, last task end (ns)       */
 } rg_group;
 
-typedef struct trace_event { int device, layer, mb; const char *name; uint64_t t0, t1; } trace_event;
+/* step: the number of the peer step (lane) the event belongs to, -1 when
+ * none (cm384_eval); a peer's own step spans carry theirs. */
+typedef struct trace_event { int device, layer, mb, lane; int64_t step; const char *name; uint64_t t0, t1; } trace_event;
 #define TRACE_BUF_EVENTS (1 << 16)        /* events held before they go to the file */
 
 typedef struct region {
     rg_group  *g;
     int        n_groups, cap, n_tasks;
     int        lane, caller;               /* the peer whose loop runs it: its lane, its worker id */
+    int64_t    step;                       /* that peer's step now running, -1 outside steps (trace) */
     int        small_tasks;                /* cut products into short tasks: prefill beside decode */
     struct cm384_engine *e;
     const char *name; int layer, mb;     /* label for groups added next     */
@@ -6089,6 +6092,7 @@ static void region_run(region *rg) {
                 trace_event *ev = &e->tev[e->n_tev++];
                 ev->device = g->split ? dev_group_device(g->split, k) : g->device;
                 ev->layer = g->layer; ev->mb = g->mb; ev->name = g->name;
+                ev->lane = rg->lane; ev->step = rg->step;
                 ev->t0 = atomic_load_explicit(&g->t0, memory_order_relaxed);
                 ev->t1 = atomic_load_explicit(&g->t1, memory_order_relaxed);
             }
@@ -6100,11 +6104,12 @@ static void region_run(region *rg) {
 
 /* A span on a peer's own track (after the devices'): its steps. */
 
-static void trace_span(struct cm384_engine *e, int lane, const char *name, uint64_t t0, uint64_t t1) {
+static void trace_span(struct cm384_engine *e, int lane, const char *name, int64_t step, uint64_t t0, uint64_t t1) {
     if (!e->trace) return;
     pthread_mutex_lock(&e->trace_mu);
     if (e->n_tev == e->cap_tev) trace_flush(e);
-    e->tev[e->n_tev++] = (trace_event){e->n_dev + lane, -1, 0, name, t0, t1};
+    e->tev[e->n_tev++] = (trace_event){.device = e->n_dev + lane, .layer = -1, .lane = lane, .step = step, .name = name,
+                                       .t0 = t0, .t1 = t1};
     pthread_mutex_unlock(&e->trace_mu);
 }
 
@@ -8513,6 +8518,7 @@ typedef struct peer {
     request        *wait_head, *wait_tail;  /* prefill: submitted, not admitted    */
     request        *ready_head, *ready_tail;/* prefill: loaded by the caching loop  */
     _Atomic uint64_t steps;        /* steps run (the other peer reads it)          */
+    int64_t         steps_begun;   /* steps started, failed ones too: the trace's step numbers */
     /* decode's step measurements (SLO, EPLB) */
     atomic_int      decode_cap;    /* requests the SLO lets run (prefill admits within it) */
     slo_ctl         slo;           /* with tpot_target_ms                          */
@@ -9221,9 +9227,9 @@ static int prefill_round(struct cm384_engine *e, peer *P) {
     if (!nr) return progress;
     double t0 = now_ms();
     uint64_t ns0 = now_ns(), d0 = atomic_load(&e->peers[LANE_DECODE].steps);
+    P->rg.step = P->steps_begun++;
     run_phase(e, P, rq, cnt, nr);
     uint64_t overlap = atomic_load(&e->peers[LANE_DECODE].steps) - d0;     /* decode steps done meanwhile */
-    trace_span(e, LANE_PREFILL, "prefill step", ns0, now_ns());
     if (step_failed(e, P, rq, nr)) return 1;
     request *done_rq[1024];
     int nd = 0;
@@ -9238,6 +9244,7 @@ static int prefill_round(struct cm384_engine *e, peer *P) {
     if (e->mtp) mtp_step(e, P, rq, first, nr, 1);
     if (step_failed(e, P, rq, nr)) return 1;
     for (int i = 0; i < nr; i++) offer_blocks_locked(e, rq[i]);
+    trace_span(e, LANE_PREFILL, "prefill step", P->rg.step, ns0, now_ns());
     atomic_fetch_add(&P->steps, 1);
     pthread_mutex_lock(&e->mu);
     S->st.prefill_steps++;
@@ -9391,6 +9398,7 @@ static int decode_round(struct cm384_engine *e, peer *D) {
     if (!nr) return 0;
     double t0 = now_ms();
     uint64_t ns0 = now_ns();
+    D->rg.step = D->steps_begun++;
     run_phase(e, D, rq, cnt, nr);
     if (step_failed(e, D, rq, nr)) return 1;
     sample_rows(e, D, rq, nr);
@@ -9416,7 +9424,7 @@ static int decode_round(struct cm384_engine *e, peer *D) {
     if (step_failed(e, D, rq, nr)) return 1;
     double dt = now_ms() - t0;
     atomic_fetch_add(&D->steps, 1);
-    trace_span(e, LANE_DECODE, "decode step", ns0, now_ns());
+    trace_span(e, LANE_DECODE, "decode step", D->rg.step, ns0, now_ns());
     pthread_mutex_lock(&e->mu);
     S->st.decode_steps++;
     S->st.decode_seconds += dt / 1e3;
@@ -9806,7 +9814,8 @@ static void trace_device_span(struct cm384_engine *e, int device, const char *na
     if (!e->trace) return;
     pthread_mutex_lock(&e->trace_mu);
     if (e->n_tev == e->cap_tev) trace_flush(e);
-    e->tev[e->n_tev++] = (trace_event){device, -1, 0, name, t0, t1 > t0 ? t1 : t0 + 1000};
+    e->tev[e->n_tev++] = (trace_event){.device = device, .layer = -1, .lane = -1, .step = -1, .name = name,
+                                       .t0 = t0, .t1 = t1 > t0 ? t1 : t0 + 1000};
     pthread_mutex_unlock(&e->trace_mu);
 }
 
@@ -10587,10 +10596,21 @@ static void trace_flush(struct cm384_engine *e) {
                          ev->device, ev->device, role_name(e->dev[ev->device].failed ? e->dev[ev->device].had_roles
                                                                                      : e->dev[ev->device].roles)) >= 0;
         }
-        ok &= fprintf(f, ",\n{\"name\":\"%s\",\"cat\":\"mb%d\",\"ph\":\"X\",\"pid\":0,\"tid\":%d,\"ts\":%.3f,\"dur\":%.3f,"
-                         "\"args\":{\"layer\":%d,\"microbatch\":%d}}",
-                      ev->name ? ev->name : "?", ev->mb, ev->device, (ev->t0 - e->t_origin) / 1e3,
-                      (ev->t1 - ev->t0) / 1e3, ev->layer, ev->mb) >= 0;
+        /* args: a device's event says its layer, microbatch and the step
+           (peer and number) it ran in; a peer's step span its number */
+        char step[64] = "";
+        if (ev->step >= 0 && ev->device < e->n_dev)
+            snprintf(step, sizeof step, ",\"peer\":\"%s\",\"step\":%lld", ev->lane == LANE_DECODE ? "decode" : "prefill",
+                     (long long)ev->step);
+        if (ev->device >= e->n_dev)
+            ok &= fprintf(f, ",\n{\"name\":\"%s\",\"ph\":\"X\",\"pid\":0,\"tid\":%d,\"ts\":%.3f,\"dur\":%.3f,\"args\":{\"step\":%lld}}",
+                          ev->name ? ev->name : "?", ev->device, (ev->t0 - e->t_origin) / 1e3, (ev->t1 - ev->t0) / 1e3,
+                          (long long)ev->step) >= 0;
+        else
+            ok &= fprintf(f, ",\n{\"name\":\"%s\",\"cat\":\"mb%d\",\"ph\":\"X\",\"pid\":0,\"tid\":%d,\"ts\":%.3f,\"dur\":%.3f,"
+                             "\"args\":{\"layer\":%d,\"microbatch\":%d%s}}",
+                          ev->name ? ev->name : "?", ev->mb, ev->device, (ev->t0 - e->t_origin) / 1e3,
+                          (ev->t1 - ev->t0) / 1e3, ev->layer, ev->mb, step) >= 0;
         if (ok) e->trace_written++; else e->trace_lost++;
     }
     e->n_tev = 0;
@@ -10863,6 +10883,7 @@ int cm384_engine_create(const cm384_model *m, const cm384_config *cfg, cm384_eng
         P->lane = L;
         P->phase = L == LANE_DECODE ? PHASE_DECODE : PHASE_PREFILL;
         P->rg.lane = L;
+        P->rg.step = -1;
         P->rg.caller = L == LANE_DECODE ? 0 : c.n_workers;
         P->rg.e = e;
         /* decode: a row per request and one per draft; prefill: a chunk */
@@ -11270,6 +11291,7 @@ int cm384_eval(cm384_engine *e, const int32_t *ids, int n, float *logits, float 
     float *h = CM384_MALLOC((size_t)n * hp->dim * sizeof(float));
     if (!blocks || !h) { CM384_FREE(blocks); CM384_FREE(h); return fail(CM384_E_NOMEM, "out of memory"); }
     pthread_mutex_lock(&P->step_mu);
+    P->rg.step = -1;                              /* no serving step: the trace says none */
     int r = CM384_OK, got = 0;
     if (e->fatal) {                               /* 12b: read under step_mu, which faults are applied under */
         pthread_mutex_unlock(&P->step_mu);

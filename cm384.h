@@ -402,7 +402,11 @@ typedef struct cm384_config {
                                       target).  A target one request cannot meet is
                                       reported (stats, log), not silently missed     */
     /* observability */
-    const char  *trace_path;       /* write a Chrome-trace JSON here (NULL = off)    */
+    const char  *trace_path;       /* write a Chrome-trace JSON here (NULL = off):
+                                      a track per device (events carry layer,
+                                      microbatch and the peer step they ran in:
+                                      "peer", "step") and one per peer loop (its
+                                      numbered "prefill step" / "decode step" spans) */
     cm384_log_fn log;              /* topology and memory estimate at creation (a
                                       warning when it exceeds physical memory),
                                       preemptions, expert re-placement (level 1

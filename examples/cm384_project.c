@@ -281,8 +281,10 @@ static void pj_text(FILE *f, double x, double y, int size, const char *anchor, c
     fputs("</text>\n", f);
 }
 
-/* A trace event read back from the engine's Chrome trace. */
-typedef struct pj_tev { char name[24]; int dev, mb, layer; double ts, dur; } pj_tev;
+/* A trace event read back from the engine's Chrome trace: a device's work
+ * (its layer and microbatch), or a peer's step span ("prefill step",
+ * "decode step" on the peer's own track); step is the peer step's number. */
+typedef struct pj_tev { char name[24]; int dev, mb, layer; long step; double ts, dur; } pj_tev;
 
 static pj_tev *pj_read_trace(const char *path, int *n_out) {
     FILE *f = fopen(path, "r");
@@ -304,6 +306,8 @@ static pj_tev *pj_read_trace(const char *path, int *n_out) {
         t.dev = atoi(q + 6); t.ts = atof(r + 5); t.dur = atof(s + 6);
         t.mb = u ? atoi(u + 13) : 0;
         t.layer = l ? atoi(l + 8) : -1;
+        const char *st = strstr(line, "\"step\":");
+        t.step = st ? atol(st + 7) : -1;
         if (t.dev < 0 || t.dev > 65535) continue;
         if (n == cap) {
             cap = cap ? 2 * cap : 4096;
@@ -354,41 +358,42 @@ static double pj_svg_window(FILE *f, double y0, const pj_tev *ev, int n, const p
     return y0 + rows * rh + 6;
 }
 
-/* Panel: per-device timelines of the run -- a step with prefill work and a
- * few decode steps.  Steps end with their "sample" region; a step that ran
- * anything on a prefill device holds prefill work. */
+/* Panel: per-device timelines of the run -- the first prefill step and
+ * three decode steps in a row that no prefill step overlaps, each window
+ * the peers' own step spans (numbered by the engine, so no guessing from
+ * gaps in time). */
+static int pj_span_cmp(const void *a, const void *b) {
+    const pj_tev *x = a, *y = b;
+    return (x->step > y->step) - (x->step < y->step);
+}
+
 static double pj_svg_timeline(FILE *f, double y0, const pj_tev *ev, int n, const pj_result *res) {
     pj_text(f, 20, y0, 15, "start", "bold", "1. The emulator, device by device (from the run's Chrome trace)");
     y0 += 6;
     if (!ev || !n) { pj_text(f, 30, y0 + 20, 12, "start", "normal", "(no trace)"); return y0 + 40; }
-    /* step boundaries: ends of clusters of sample events, in time order */
-    double *ends = malloc(sizeof(double) * (size_t)n), t_first = ev[0].ts;
-    int ne = 0;
-    if (!ends) return y0;
-    for (int i = 0; i < n; i++) if (ev[i].ts < t_first) t_first = ev[i].ts;
-    for (int i = 0; i < n; i++) if (!strcmp(ev[i].name, "sample")) ends[ne++] = ev[i].ts + ev[i].dur;
-    for (int i = 1; i < ne; i++) for (int j = i; j > 0 && ends[j - 1] > ends[j]; j--) { double t = ends[j]; ends[j] = ends[j - 1]; ends[j - 1] = t; }
-    int nb = 0;
-    for (int i = 0; i < ne; i++) {          /* one boundary per cluster: samples of one step end within 1 ms */
-        if (nb && ends[i] - ends[nb - 1] < 1000) { ends[nb - 1] = ends[i]; continue; }
-        ends[nb++] = ends[i];
+    pj_tev *dec = malloc(sizeof(pj_tev) * (size_t)n);
+    if (!dec) return y0;
+    const pj_tev *pre = NULL;
+    int nd = 0;
+    for (int i = 0; i < n; i++) {
+        if (!strcmp(ev[i].name, "decode step")) dec[nd++] = ev[i];
+        else if (!strcmp(ev[i].name, "prefill step") && (!pre || ev[i].step < pre->step)) pre = &ev[i];
     }
-    int shown_pre = 0, decode_only = 0, shown_dec = 0;
-    for (int k = 0; k < nb && !(shown_pre && shown_dec); k++) {
-        double t0 = k ? ends[k - 1] : t_first, t1 = ends[k];
-        int pre = 0;
-        for (int i = 0; i < n && !pre; i++)
-            if (ev[i].ts >= t0 && ev[i].ts < t1 && res && ev[i].dev < res->n_dev && strstr(res->roles[ev[i].dev], "prefill"))
-                pre = 1;
-        if (pre && !shown_pre) {
-            y0 = pj_svg_window(f, y0, ev, n, res, t0, t1, "a step with prefill work") + 6;
-            shown_pre = 1;
-        } else if (!pre && ++decode_only == 3 && !shown_dec && k + 2 < nb) {
-            y0 = pj_svg_window(f, y0, ev, n, res, t0, ends[k + 2], "three decode steps") + 6;
-            shown_dec = 1;
-        }
+    qsort(dec, (size_t)nd, sizeof *dec, pj_span_cmp);
+    if (pre) y0 = pj_svg_window(f, y0, ev, n, res, pre->ts, pre->ts + pre->dur, "a step with prefill work") + 6;
+    int shown = 0;
+    for (int k = 2; k + 2 < nd && !shown; k++) {     /* past the first two: warm caches */
+        if (dec[k + 2].step != dec[k].step + 2) continue;
+        double t0 = dec[k].ts, t1 = dec[k + 2].ts + dec[k + 2].dur;
+        int overlapped = 0;
+        for (int i = 0; i < n && !overlapped; i++)
+            overlapped = !strcmp(ev[i].name, "prefill step") && ev[i].ts < t1 && ev[i].ts + ev[i].dur > t0;
+        if (overlapped) continue;
+        y0 = pj_svg_window(f, y0, ev, n, res, t0, t1, "three decode steps") + 6;
+        shown = 1;
     }
-    free(ends);
+    if (!pre && !shown) { pj_text(f, 30, y0 + 20, 12, "start", "normal", "(no serving steps in the trace)"); y0 += 30; }
+    free(dec);
     const char *legend[] = {"attention", "router", "dispatch", "experts", "combine", "head", "mtp", "sample"};
     for (int i = 0; i < 8; i++) {
         fprintf(f, "<rect x=\"%.1f\" y=\"%.1f\" width=\"10\" height=\"10\" fill=\"%s\"/>\n", 190 + i * 95.0, y0, pj_color(legend[i]));

@@ -486,6 +486,36 @@ static void trace(cm384_model *m) {
     for (int k = 0; k < 6; k++) names += seen[k];
     printf("  %d complete events on %d device tracks, %d/6 phase names, %d malformed\n", n_x, n_tids, names, bad);
     CHECK(n_x > 100 && bad == 0 && n_tids >= 4 && names == 6, "trace content");
+    /* every step span is numbered, each peer's 0, 1, 2, ...; every device
+       event names its peer's step and lies inside that step's span */
+    enum { MAX_STEPS = 4096 };
+    static double span_t0[2][MAX_STEPS], span_t1[2][MAX_STEPS];
+    int n_spans[2] = {0, 0}, unnumbered = 0, out_of_order = 0, outside = 0, dev_events = 0;
+    for (int i = 0; ev && i < ev->len; i++) {
+        const json *x = &ev->kids[i];
+        const char *nm = json_str(x, "name", "");
+        int p = !strcmp(nm, "decode step") ? 0 : !strcmp(nm, "prefill step") ? 1 : -1;
+        if (p < 0) continue;
+        double st = json_num(json_get(x, "args"), "step", -1);
+        if (st < 0) { unnumbered++; continue; }
+        if ((int)st != n_spans[p] || n_spans[p] == MAX_STEPS) { out_of_order++; continue; }
+        span_t0[p][n_spans[p]] = json_num(x, "ts", 0);
+        span_t1[p][n_spans[p]++] = json_num(x, "ts", 0) + json_num(x, "dur", 0);
+    }
+    for (int i = 0; ev && i < ev->len; i++) {
+        const json *x = &ev->kids[i], *args = json_get(x, "args");
+        if (strcmp(json_str(x, "ph", ""), "X") || !json_get(args, "layer")) continue;
+        dev_events++;
+        const char *peer = json_str(args, "peer", "");
+        int p = !strcmp(peer, "decode") ? 0 : !strcmp(peer, "prefill") ? 1 : -1, st = (int)json_num(args, "step", -1);
+        if (p < 0 || st < 0 || st >= n_spans[p]) { unnumbered++; continue; }
+        double t0 = json_num(x, "ts", 0), t1 = t0 + json_num(x, "dur", 0);
+        if (t0 < span_t0[p][st] - 0.01 || t1 > span_t1[p][st] + 0.01) outside++;
+    }
+    printf("  %d decode and %d prefill step spans; of %d device events %d unnumbered, %d outside their step; %d spans out of order\n",
+           n_spans[0], n_spans[1], dev_events, unnumbered, outside, out_of_order);
+    CHECK(n_spans[0] >= 4 && n_spans[1] >= 1 && dev_events > 100 && unnumbered == 0 && outside == 0 && out_of_order == 0,
+          "trace steps");
     arena_free(&a);
     unlink(path);
 }
