@@ -93,6 +93,37 @@ GL_A512_INLINE __m512i a512_reduce16_i32(const __m512i *a) {
     return _mm512_add_epi32(_mm512_unpacklo_epi64(u[0], u[1]), _mm512_unpackhi_epi64(u[0], u[1]));
 }
 
+/* a512_reduce16_i32 of a[4k+t] = acc[k][t], on the values themselves: an
+ * array the accumulators are copied into keeps gcc from holding them in
+ * registers through the tile's loop (it spilled them there). */
+#define A512_ACC(i) acc[(i) / 4][(i) % 4]
+GL_A512_INLINE __m512i a512_reduce16_i32_kt(__m512i acc[A512_NR][A512_NT]) {
+    __m512i s0 = _mm512_add_epi32(_mm512_shuffle_i32x4(A512_ACC(0), A512_ACC(1), 0x44), _mm512_shuffle_i32x4(A512_ACC(0), A512_ACC(1), 0xee));
+    __m512i s1 = _mm512_add_epi32(_mm512_shuffle_i32x4(A512_ACC(2), A512_ACC(3), 0x44), _mm512_shuffle_i32x4(A512_ACC(2), A512_ACC(3), 0xee));
+    __m512i s2 = _mm512_add_epi32(_mm512_shuffle_i32x4(A512_ACC(4), A512_ACC(5), 0x44), _mm512_shuffle_i32x4(A512_ACC(4), A512_ACC(5), 0xee));
+    __m512i s3 = _mm512_add_epi32(_mm512_shuffle_i32x4(A512_ACC(6), A512_ACC(7), 0x44), _mm512_shuffle_i32x4(A512_ACC(6), A512_ACC(7), 0xee));
+    __m512i s4 = _mm512_add_epi32(_mm512_shuffle_i32x4(A512_ACC(8), A512_ACC(9), 0x44), _mm512_shuffle_i32x4(A512_ACC(8), A512_ACC(9), 0xee));
+    __m512i s5 = _mm512_add_epi32(_mm512_shuffle_i32x4(A512_ACC(10), A512_ACC(11), 0x44), _mm512_shuffle_i32x4(A512_ACC(10), A512_ACC(11), 0xee));
+    __m512i s6 = _mm512_add_epi32(_mm512_shuffle_i32x4(A512_ACC(12), A512_ACC(13), 0x44), _mm512_shuffle_i32x4(A512_ACC(12), A512_ACC(13), 0xee));
+    __m512i s7 = _mm512_add_epi32(_mm512_shuffle_i32x4(A512_ACC(14), A512_ACC(15), 0x44), _mm512_shuffle_i32x4(A512_ACC(14), A512_ACC(15), 0xee));
+    __m512i t0 = _mm512_add_epi32(_mm512_shuffle_i32x4(s0, s1, 0x88), _mm512_shuffle_i32x4(s0, s1, 0xdd));
+    __m512i t1 = _mm512_add_epi32(_mm512_shuffle_i32x4(s2, s3, 0x88), _mm512_shuffle_i32x4(s2, s3, 0xdd));
+    __m512i t2 = _mm512_add_epi32(_mm512_shuffle_i32x4(s4, s5, 0x88), _mm512_shuffle_i32x4(s4, s5, 0xdd));
+    __m512i t3 = _mm512_add_epi32(_mm512_shuffle_i32x4(s6, s7, 0x88), _mm512_shuffle_i32x4(s6, s7, 0xdd));
+    __m512i u0 = _mm512_add_epi32(_mm512_unpacklo_epi32(t0, t1), _mm512_unpackhi_epi32(t0, t1));
+    __m512i u1 = _mm512_add_epi32(_mm512_unpacklo_epi32(t2, t3), _mm512_unpackhi_epi32(t2, t3));
+    return _mm512_add_epi32(_mm512_unpacklo_epi64(u0, u1), _mm512_unpackhi_epi64(u0, u1));
+}
+#undef A512_ACC
+
+/* Lane quarters t < nt of v to y[t*ldy + r .. r+3]. */
+GL_A512_INLINE void a512_store4xn(__m512 v, float *y, int ldy, int r, int nt) {
+    _mm_storeu_ps(y + r, _mm512_extractf32x4_ps(v, 0));
+    if (nt > 1) _mm_storeu_ps(y + (size_t)ldy + r, _mm512_extractf32x4_ps(v, 1));
+    if (nt > 2) _mm_storeu_ps(y + 2 * (size_t)ldy + r, _mm512_extractf32x4_ps(v, 2));
+    if (nt > 3) _mm_storeu_ps(y + 3 * (size_t)ldy + r, _mm512_extractf32x4_ps(v, 3));
+}
+
 /* Lane quarter t of v to y[t*ldy + r .. r+3]. */
 GL_A512_INLINE void a512_store4x4(__m512 v, float *y, int ldy, int r) {
     _mm_storeu_ps(y + r, _mm512_extractf32x4_ps(v, 0));
@@ -282,6 +313,18 @@ GL_A512_INLINE void a512_xsums(const int8_t *xq, int n, int ldx, int cols, int32
     }
 }
 
+/* acc += w . x (u8 x s8, four bytes a lane).  gcc 12 rotates a tile's
+ * accumulators through register copies and stack spills around the
+ * intrinsic (a 4x4 tile ran at half speed from L2); tied in place by the
+ * asm they stay put.  clang keeps the intrinsic. */
+GL_A512_INLINE void a512_dpbusd(__m512i *acc, __m512i w, __m512i x) {
+#if defined(__GNUC__) && !defined(__clang__)
+    __asm__("vpdpbusd %2, %1, %0" : "+v"(*acc) : "v"(w), "v"(x));
+#else
+    *acc = _mm512_dpbusd_epi32(*acc, w, x);
+#endif
+}
+
 /* y[t*ldy + r+k] = (sum_c w[r+k][c]*x[t][c]) * wscale[r+k] * xscale[t]:
  * acc gets (w+128)*x by vpdpbusd (w ^ 0x80 is w + 128 as an unsigned
  * byte; zero-padded columns add (0+128)*0), then 128*xsum[t] comes off. */
@@ -289,52 +332,51 @@ GL_A512_INLINE void a512_tile_q8(const gl_mat *w, int r, int nr, const int8_t *x
                                  int ldx, int nt, float *y, int ldy, const int8_t *pf) {
     const int cols = w->cols, full = cols & ~63;
     const __m512i flip = _mm512_set1_epi8((char)0x80);
-    const int8_t *wr[A512_NR];
+    /* one moving pointer each for the rows and the tokens, at strides:
+       gcc kept an array of row pointers on the stack and reloaded it */
+    const int8_t *wp = (const int8_t *)w->data + (size_t)r * (size_t)cols, *xp = xq, *pp = pf;
+    const size_t ws = (size_t)cols, xsd = (size_t)ldx;
     __m512i acc[A512_NR][A512_NT], wv[A512_NR];
 #pragma GCC unroll 4
-    for (int k = 0; k < nr; k++) {
-        wr[k] = (const int8_t *)w->data + (size_t)(r + k) * (size_t)cols;
+    for (int k = 0; k < nr; k++)
 #pragma GCC unroll 4
-        for (int t = 0; t < nt; t++) acc[k][t] = _mm512_setzero_si512();
-    }
-    for (int c = 0; c < full; c += 64) {
-        const int8_t *pc = pf + (size_t)c * nr;
-        _mm_prefetch((const char *)pc, _MM_HINT_NTA);
-        if (nr > 1) _mm_prefetch((const char *)pc + 64, _MM_HINT_NTA);
-        if (nr > 2) { _mm_prefetch((const char *)pc + 128, _MM_HINT_NTA); _mm_prefetch((const char *)pc + 192, _MM_HINT_NTA); }
+        for (int t = 0; t < A512_NT; t++) acc[k][t] = _mm512_setzero_si512();   /* t >= nt: 0 for the reduction */
+    for (int c = 0; c < full; c += 64, wp += 64, xp += 64, pp += 64 * nr) {
+        _mm_prefetch((const char *)pp, _MM_HINT_NTA);
+        if (nr > 1) _mm_prefetch((const char *)pp + 64, _MM_HINT_NTA);
+        if (nr > 2) { _mm_prefetch((const char *)pp + 128, _MM_HINT_NTA); _mm_prefetch((const char *)pp + 192, _MM_HINT_NTA); }
 #pragma GCC unroll 4
-        for (int k = 0; k < nr; k++) wv[k] = _mm512_xor_si512(_mm512_loadu_si512(wr[k] + c), flip);
+        for (int k = 0; k < nr; k++) wv[k] = _mm512_xor_si512(_mm512_loadu_si512(wp + k * ws), flip);
 #pragma GCC unroll 4
         for (int t = 0; t < nt; t++) {
-            const __m512i xv = _mm512_loadu_si512(xq + (size_t)t * ldx + c);
+            const __m512i xv = _mm512_loadu_si512(xp + t * xsd);
 #pragma GCC unroll 4
-            for (int k = 0; k < nr; k++) acc[k][t] = _mm512_dpbusd_epi32(acc[k][t], wv[k], xv);
+            for (int k = 0; k < nr; k++) a512_dpbusd(&acc[k][t], wv[k], xv);
         }
     }
     if (full < cols) {
         const __mmask64 m = a512_mask64(cols - full);
 #pragma GCC unroll 4
-        for (int k = 0; k < nr; k++) wv[k] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(m, wr[k] + full), flip);
+        for (int k = 0; k < nr; k++) wv[k] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(m, wp + k * ws), flip);
 #pragma GCC unroll 4
         for (int t = 0; t < nt; t++) {
-            const __m512i xv = _mm512_maskz_loadu_epi8(m, xq + (size_t)t * ldx + full);
+            const __m512i xv = _mm512_maskz_loadu_epi8(m, xp + t * xsd);
 #pragma GCC unroll 4
-            for (int k = 0; k < nr; k++) acc[k][t] = _mm512_dpbusd_epi32(acc[k][t], wv[k], xv);
+            for (int k = 0; k < nr; k++) a512_dpbusd(&acc[k][t], wv[k], xv);
         }
     }
-    if (nr == 4 && nt == 4) {
-        __m512i a[16];
-        for (int k = 0; k < 4; k++)
-            for (int t = 0; t < 4; t++) a[4 * k + t] = acc[k][t];   /* lane 4t+k <- a[4k+t] */
-        /* the exact sums, then (float)sum * wscale * xscale, four tokens of four rows */
-        __m512i sum = a512_reduce16_i32(a);
+    if (nr == 4 && nt > 1) {
+        /* the exact sums, then (float)sum * wscale * xscale, up to four tokens
+           of four rows at once (missing tokens' sums are 0 and not stored) */
+        const __mmask8 tm = (__mmask8)((1u << nt) - 1u);
+        __m512i sum = a512_reduce16_i32_kt(acc);
         __m512i corr = _mm512_slli_epi32(_mm512_permutexvar_epi32(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
-                                                                  _mm512_castsi128_si512(_mm_loadu_si128((const __m128i *)xsum))), 7);
+                                                                  _mm512_castsi128_si512(_mm_maskz_loadu_epi32(tm, xsum))), 7);
         __m512 ws = _mm512_broadcast_f32x4(_mm_loadu_ps(w->scale + r));
         __m512 xsv = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
-                                           _mm512_castps128_ps512(_mm_loadu_ps(xs)));
+                                           _mm512_castps128_ps512(_mm_maskz_loadu_ps(tm, xs)));
         __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sum, corr)), ws), xsv);
-        a512_store4x4(v, y, ldy, r);
+        a512_store4xn(v, y, ldy, r, nt);
         return;
     }
 #pragma GCC unroll 4
@@ -457,10 +499,10 @@ GL_A512_INLINE void a512_pk_dot(const __m512i *pk, int G, const int8_t *xq, int 
             int32_t four;
             memcpy(&four, xq + (size_t)t * ldx + 4 * g, 4);
             const __m512i xb = _mm512_set1_epi32(four);
-            acc[0][t] = _mm512_dpbusd_epi32(acc[0][t], w0, xb);
-            acc[1][t] = _mm512_dpbusd_epi32(acc[1][t], w1, xb);
-            acc[2][t] = _mm512_dpbusd_epi32(acc[2][t], w2, xb);
-            acc[3][t] = _mm512_dpbusd_epi32(acc[3][t], w3, xb);
+            a512_dpbusd(&acc[0][t], w0, xb);
+            a512_dpbusd(&acc[1][t], w1, xb);
+            a512_dpbusd(&acc[2][t], w2, xb);
+            a512_dpbusd(&acc[3][t], w3, xb);
         }
     }
 }

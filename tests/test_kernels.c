@@ -617,6 +617,14 @@ static void test_q8_short(const gl_kernels *k) {
     test_q8_panels(k, "short rows", colss, ns);
 }
 
+/* Few tokens, below the packed panels: 4x4 tiles whose last one has 2 or 3
+ * tokens (their sums reduced with the missing tokens as zeros, only the
+ * real ones stored), and rows of 1 KB+ at n = 2 one at a time. */
+static void test_q8_tiles(const gl_kernels *k) {
+    static const int colss[] = {64, 129, 700, 1412}, ns[] = {2, 3, 11};
+    test_q8_panels(k, "few tokens", colss, ns);
+}
+
 static void test_q8_long(const gl_kernels *k) {
     static const int colss[] = {516, 1024, 1412, 2052}, ns[] = {13, 97, 200};
     test_q8_panels(k, "long rows", colss, ns);
@@ -953,6 +961,7 @@ int main(int argc, char **argv) {
         test_matmul_vs_scalar(sets[s]);
         test_q8_extremes(sets[s]);
         test_q8_short(sets[s]);
+        test_q8_tiles(sets[s]);
         test_q8_long(sets[s]);
         test_invariance(sets[s], pool2, pool4);
         test_qmatmul(sets[s]);
