@@ -427,11 +427,13 @@ GL_A512_INLINE void a512_panels_q8(const gl_mat *w, int nr, const int8_t *xq, co
 #define A512_PK_NT 6
 /* Fewer tokens than this go to the tiles: the packing (16 loads and 64
  * shuffles per 16 rows x 64 columns) must pay for itself.  Measured on Zen 5
- * (one thread, tiles against panels in one run, weights streaming from DRAM
- * as in a model and sitting in cache): rows of 128 columns gain from 4
- * tokens (the tiles' reductions dominate there), longer rows from 12. */
+ * (one thread, weights streaming from DRAM as in a model, tiles against
+ * panels alternating, since the tiles keep their accumulators in registers):
+ * rows of 128 columns gain from 16-24 tokens, of 256 from 32, of 512 from
+ * 48 (at 32: tiles 518-570 GOP/s, panels 395-400), longer rows from 32
+ * (1024x2048: even there, panels 490 against 460 at 48). */
 #ifndef A512_PK_MIN
-#define A512_PK_MIN(cols) ((cols) <= 256 ? 4 : 12)
+#define A512_PK_MIN(cols) ((cols) <= 128 ? 16 : (cols) <= 256 || (cols) > 512 ? 32 : 48)
 #endif
 
 /* r[0..15] (16 rows of 16 dwords) becomes its transpose: afterwards r[c]
