@@ -82,18 +82,8 @@ GL_A512_INLINE __m512 a512_reduce16(const __m512 *a) {
     return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(u[0]), _mm512_castps_pd(u[1]))),
                          _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(u[0]), _mm512_castps_pd(u[1]))));
 }
-GL_A512_INLINE __m512i a512_reduce16_i32(const __m512i *a) {
-    __m512i s[8], t[4], u[2];
-    for (int i = 0; i < 8; i++)
-        s[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(a[2 * i], a[2 * i + 1], 0x44), _mm512_shuffle_i32x4(a[2 * i], a[2 * i + 1], 0xee));
-    for (int i = 0; i < 4; i++)
-        t[i] = _mm512_add_epi32(_mm512_shuffle_i32x4(s[2 * i], s[2 * i + 1], 0x88), _mm512_shuffle_i32x4(s[2 * i], s[2 * i + 1], 0xdd));
-    for (int i = 0; i < 2; i++)
-        u[i] = _mm512_add_epi32(_mm512_unpacklo_epi32(t[2 * i], t[2 * i + 1]), _mm512_unpackhi_epi32(t[2 * i], t[2 * i + 1]));
-    return _mm512_add_epi32(_mm512_unpacklo_epi64(u[0], u[1]), _mm512_unpackhi_epi64(u[0], u[1]));
-}
 
-/* a512_reduce16_i32 of a[4k+t] = acc[k][t], on the values themselves: an
+/* a512_reduce16's integer twin, of a[4k+t] = acc[k][t] read in place: an
  * array the accumulators are copied into keeps gcc from holding them in
  * registers through the tile's loop (it spilled them there). */
 #define A512_ACC(i) acc[(i) / 4][(i) % 4]
