@@ -5806,6 +5806,8 @@ typedef struct fwd_scratch {
     float  *ffa, *ffb;         /* [cap][max(inter, shared inter, 2*dim)]           */
     int     core_chunk;        /* keys per attention-core chunk                    */
     float  *scores;            /* [workers][CORE_TILE][H][core_chunk]             */
+    float  *qt;                /* [workers][kv_lora+rope][CORE_TILE*H] a tile's
+                                  absorbed queries transposed (core_queries)      */
     float  *run_ml;            /* [workers][2][CORE_TILE][H][2] running max and sum:
                                   the lane being run, and the lanes folded so far */
     float  *lane_lat;          /* [workers][CORE_TILE][H][kv_lora] a lane's latents */
@@ -5876,6 +5878,7 @@ static void scratch_carve(carver *c, fwd_scratch *s, const hparams *hp, int cap,
     s->ffa = F(C * inter); s->ffb = F(C * inter);
     s->core_chunk = (CORE_KEYS + block - 1) / block * block;
     s->scores = F((size_t)workers * H * CORE_TILE * (size_t)s->core_chunk);
+    s->qt = F((size_t)workers * CORE_TILE * H * lat);
     s->run_ml = F((size_t)workers * 2 * H * CORE_TILE * 2);
     s->lane_lat = F((size_t)workers * CORE_TILE * H * hp->kv_lora);
     s->split_ml = F((size_t)CORE_SPLIT_TILES * CORE_TILE * H * CORE_LANES * 2);
@@ -6387,9 +6390,12 @@ static void t_absorb(void *ctx, int g, int h, int worker) {
 
 /* Attention core for a tile of up to CORE_TILE consecutive queries of one
  * sequence and a range of heads, a chunk of keys (a few KV blocks) at a time
- * as flash attention goes.  The chunk's scores come from the matmul kernel,
- * a block at a time -- the block's rows are the matrix, the tile's queries
- * and heads the input, so a key's row is read once for all of them.  Each
+ * as flash attention goes.  The chunk's scores come from the dot_rows_t
+ * kernel, a block at a time: the tile's queries and heads are laid out
+ * transposed (core_queries), so each element of a key's row is multiplied
+ * into 16 heads' sums at once and the row is read once for all of them
+ * (twice the speed of the row-by-query dot products, which spent their time
+ * in horizontal sums).  Each
  * (query, head) keeps a running shift M and sum L of e^(scale*(score - M));
  * then the chunk's rows, still in cache, are added with their weights to the
  * attended latent.  M is raised (and the latent and L scaled down to match)
@@ -6411,7 +6417,22 @@ static void t_absorb(void *ctx, int g, int h, int worker) {
  * function in the same order wherever it runs.  A context of one chunk has
  * one lane and no fold. */
 
-/* One lane of a tile over heads [h0, h1): its unnormalized latents at
+/* The tile's absorbed queries for heads [h0, h1), transposed into the
+ * worker's qt: element c of (query q, head h) at qt[c * nl + q * (h1 - h0) +
+ * h - h0], nl = the tile's queries times h1 - h0. */
+static void core_queries(op *o, int tile, int h0, int h1, int worker) {
+    fwd_scratch *s = o->mb->s;
+    const hparams *hp = &o->e->m->hp;
+    int H = hp->n_heads, lat_w = hp->kv_lora + hp->qk_rope, nq = s->tile_n[tile];
+    float *dst = s->qt + (size_t)worker * CORE_TILE * H * lat_w;
+    const float *src = s->qlat + (size_t)s->tile_row[tile] * H * lat_w;
+    for (int c = 0; c < lat_w; c++)          /* writes in order, reads nl rows in step */
+        for (int q = 0; q < nq; q++)
+            for (int h = h0; h < h1; h++) *dst++ = src[((size_t)q * H + h) * lat_w + c];
+}
+
+/* One lane of a tile over heads [h0, h1) (core_queries has laid them out):
+ * its unnormalized latents at
  * lat + h * ldh + q * ldq, its M and L at ml + (q * H + h) * 2 (L = 0: the
  * lane saw no key of that query, and its latent is left unwritten). */
 static void core_lane(op *o, int tile, int h0, int h1, int lane, float *lat, size_t ldh, size_t ldq, float *ml_out,
@@ -6427,6 +6448,8 @@ static void core_lane(op *o, int tile, int h0, int h1, int lane, float *lat, siz
     int p0 = mb->pos[r0], n_keys = mb->pos[r0 + nq - 1] + 1;       /* keys of the last query */
     const int *tab = mb->tables[r0];
     float *sc = s->scores + (size_t)worker * CORE_TILE * H * CH;     /* [q][h][key in chunk] */
+    const float *qt = s->qt + (size_t)worker * CORE_TILE * H * lat_w;
+    int nh = h1 - h0, nl = nq * nh;
     float scale = e->m->attn_scale, slack = e->core_slack / scale;
 #define SC(h, q) (sc + ((size_t)(q) * H + (h)) * CH)
 #define ML(h, q) (ml_out + ((size_t)(q) * H + (h)) * 2)
@@ -6442,18 +6465,17 @@ static void core_lane(op *o, int tile, int h0, int h1, int lane, float *lat, siz
         }
         /* scores, a block's run of keys at a time (slot = key + kv_shift);
          * every head of a query reads the same latent rows (MLA), so the heads
-         * are the product's batch: one call per query, or one for the whole
+         * are the product's lanes: one call per query, or one for the whole
          * tile when it has every head */
         for (int j0 = c0; j0 < c1;) {
             int nk = B - (j0 + sh) % B;
             if (nk > c1 - j0) nk = c1 - j0;
-            gl_mat kb = {GL_F32, nk, lat_w, kv_row(&e->kv, tab, o->layer, j0 + sh), NULL};
-            if (h0 == 0 && h1 == H)
-                k->matmul(&kb, s->qlat + (size_t)r0 * H * lat_w, nq * H, lat_w, SC(0, 0) + (j0 - c0), CH, 0, nk);
+            const float *rows = kv_row(&e->kv, tab, o->layer, j0 + sh);
+            if (nh == H)
+                k->dot_rows_t(SC(0, 0) + (j0 - c0), CH, qt, nl, nl, rows, lat_w, nk, lat_w);
             else
                 for (int q = 0; q < nq; q++)
-                    k->matmul(&kb, s->qlat + ((size_t)(r0 + q) * H + h0) * lat_w, h1 - h0, lat_w,
-                              SC(h0, q) + (j0 - c0), CH, 0, nk);
+                    k->dot_rows_t(SC(h0, q) + (j0 - c0), CH, qt + (size_t)q * nh, nl, nh, rows, lat_w, nk, lat_w);
             j0 += nk;
         }
         for (int q = 0; q < nq; q++) {
@@ -6538,6 +6560,7 @@ static void t_core(void *ctx, int g, int task, int worker) {
     if (lanes > 1) {              /* one lane: lane 0 in place, the others beside it */
         float *ml = s->split_ml + (size_t)tile * CORE_TILE * H * CORE_LANES * 2;
         float *run = s->run_ml + (size_t)worker * 2 * CORE_TILE * H * 2;
+        core_queries(o, tile, h0, h1, worker);
         if (lane == 0)
             core_lane(o, tile, h0, h1, 0, latent, ldh, R, run, worker);
         else
@@ -6551,6 +6574,7 @@ static void t_core(void *ctx, int g, int task, int worker) {
     float *acc = s->run_ml + (size_t)worker * 2 * CORE_TILE * H * 2, *run = acc + CORE_TILE * H * 2;
     float *part = s->lane_lat + (size_t)worker * CORE_TILE * H * R;
     float scale = o->e->m->attn_scale;
+    core_queries(o, tile, h0, h1, worker);
     core_lane(o, tile, h0, h1, 0, latent, ldh, R, acc, worker);
     for (int l = 1; l < CORE_LANES; l++) {
         core_lane(o, tile, h0, h1, l, part, R, (size_t)H * R, run, worker);
@@ -6946,7 +6970,8 @@ static int attn_stage(op *o, region *rg) {
             o->core_lanes = tiles < want && tiles <= CORE_SPLIT_TILES && lanes > 1 ? CORE_LANES : 1;
             int spread = tiles * (o->core_lanes > 1 ? lanes : 1);
             o->core_split = spread >= want ? 1 : (want + spread - 1) / spread;
-            if (o->core_split > H) o->core_split = H;
+            if (o->core_split > (H + 15) / 16) o->core_split = (H + 15) / 16;   /* >= 16 heads a task:
+                                                    the scores kernel's vectors hold 16 */
         }
         FOR_GROUPS(mb, g)
             region_add(rg, t_core, o, g,

@@ -151,6 +151,23 @@ static void scalar_silu_mul(float *a, const float *b, int n) {
     for (int i = 0; i < n; i++) a[i] = a[i] / (1.0f + expf(-a[i])) * b[i];
 }
 
+/* Lanes 64 at a time, so the inner loop over lanes vectorizes. */
+static void scalar_dot_rows_t(float *y, int ldy, const float *qt, int ldq, int nl, const float *x, int ldx, int m, int n) {
+    float acc[64];
+    for (int l0 = 0; l0 < nl; l0 += 64) {
+        int nw = nl - l0 < 64 ? nl - l0 : 64;
+        for (int j = 0; j < m; j++) {
+            const float *xr = x + (size_t)j * ldx;
+            for (int l = 0; l < nw; l++) acc[l] = 0;
+            for (int c = 0; c < n; c++) {
+                const float a = xr[c], *q = qt + (size_t)c * ldq + l0;
+                for (int l = 0; l < nw; l++) acc[l] += a * q[l];
+            }
+            for (int l = 0; l < nw; l++) y[(size_t)(l0 + l) * ldy + j] = acc[l];
+        }
+    }
+}
+
 /* Weight rows converted to fp32 a slab of columns at a time and dotted with
  * up to 16 x rows, so a row of any width needs only stack scratch.  The lane
  * of column c is c % GL_LANES, as in scalar_dot, and the accumulators carry
@@ -209,7 +226,7 @@ static void scalar_quantize_q8(const float *x, int n, int cols, int ldx, int8_t 
 
 static const gl_kernels gl_scalar_kernels = {
     "scalar", scalar_matmul, scalar_matmul_q8, scalar_quantize_q8, scalar_dot, scalar_axpy, scalar_axpy_rows,
-    scalar_axpy_rows_n, scalar_exp_sum, scalar_silu_mul,
+    scalar_axpy_rows_n, scalar_exp_sum, scalar_silu_mul, scalar_dot_rows_t,
 };
 
 const gl_kernels *gl_kernels_scalar(void) { return &gl_scalar_kernels; }

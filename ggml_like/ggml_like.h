@@ -140,6 +140,14 @@ typedef struct gl_kernels {
     /* a[i] = silu(a[i]) * b[i] = a[i] / (1 + e^-a[i]) * b[i]: the gated
        feed-forward's activation, with the same exponential. */
     void  (*silu_mul)(float *a, const float *b, int n);
+    /* y[l*ldy + j] = sum_c x[j*ldx + c] * qt[c*ldq + l] for rows j < m and
+       lanes l < nl: m rows dotted with nl vectors stored transposed (lane l
+       of qt row c is element c of vector l).  Each sum is one chain over c
+       in increasing order -- by fused multiply-add in the SIMD sets, so
+       they give the same bits, whatever m, nl or the lane's place.  The
+       attention core's scores: a block of latent rows against every head's
+       query, each key element broadcast to 16 heads at once. */
+    void  (*dot_rows_t)(float *y, int ldy, const float *qt, int ldq, int nl, const float *x, int ldx, int m, int n);
 } gl_kernels;
 
 /* The best kernel set for this CPU (cpuid / hwcap probed once, then cached). */

@@ -471,19 +471,66 @@ static GL_AVX2 void avx2_silu_mul(float *a, const float *b, int n) {
     }
 }
 
+/* dot_rows_t (as a512_dot_rows_t): 8 lanes against 8 rows at a time,
+ * each row element broadcast into its own accumulator, FMAs in c order. */
+#define AVX2_BC(p, o) _mm256_broadcast_ss((const float *)((const char *)(p) + (o)))
+GL_AVX2_INLINE void avx2_dot8_rows(const float *qt, size_t ldq, __m256i mk, const float *x, size_t ldx, int n,
+                                   float *y, int ldy, int nl) {
+    const size_t L = ldx * sizeof(float), L3 = 3 * L;
+    const char *p0 = (const char *)x, *p1 = p0 + 4 * L;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    const float *q = qt;
+    for (int c = 0; c < n; c++, q += ldq, p0 += 4, p1 += 4) {
+        const __m256 v = _mm256_maskload_ps(q, mk);
+        a0 = _mm256_fmadd_ps(v, AVX2_BC(p0, 0), a0);     a1 = _mm256_fmadd_ps(v, AVX2_BC(p0, L), a1);
+        a2 = _mm256_fmadd_ps(v, AVX2_BC(p0, 2 * L), a2); a3 = _mm256_fmadd_ps(v, AVX2_BC(p0, L3), a3);
+        a4 = _mm256_fmadd_ps(v, AVX2_BC(p1, 0), a4);     a5 = _mm256_fmadd_ps(v, AVX2_BC(p1, L), a5);
+        a6 = _mm256_fmadd_ps(v, AVX2_BC(p1, 2 * L), a6); a7 = _mm256_fmadd_ps(v, AVX2_BC(p1, L3), a7);
+    }
+    float t[8][8];   /* [row][lane] */
+    _mm256_storeu_ps(t[0], a0); _mm256_storeu_ps(t[1], a1); _mm256_storeu_ps(t[2], a2); _mm256_storeu_ps(t[3], a3);
+    _mm256_storeu_ps(t[4], a4); _mm256_storeu_ps(t[5], a5); _mm256_storeu_ps(t[6], a6); _mm256_storeu_ps(t[7], a7);
+    for (int l = 0; l < nl; l++)
+        for (int j = 0; j < 8; j++) y[(size_t)l * ldy + j] = t[j][l];
+}
+#undef AVX2_BC
+
+GL_AVX2_INLINE void avx2_dot1_row(const float *qt, size_t ldq, __m256i mk, const float *x, int n, float *y, int ldy,
+                                  int nl) {
+    __m256 a0 = _mm256_setzero_ps();
+    const float *q = qt;
+    for (int c = 0; c < n; c++, q += ldq) a0 = _mm256_fmadd_ps(_mm256_maskload_ps(q, mk), _mm256_set1_ps(x[c]), a0);
+    float t[8];
+    _mm256_storeu_ps(t, a0);
+    for (int l = 0; l < nl; l++) y[(size_t)l * ldy] = t[l];
+}
+
+static GL_AVX2 void avx2_dot_rows_t(float *y, int ldy, const float *qt, int ldq, int nl, const float *x, int ldx, int m,
+                                    int n) {
+    for (int l0 = 0; l0 < nl; l0 += 8) {
+        const int nw = nl - l0 < 8 ? nl - l0 : 8;
+        const __m256i mk = _mm256_cmpgt_epi32(_mm256_set1_epi32(nw), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        const float *q = qt + l0;
+        float *yl = y + (size_t)l0 * ldy;
+        int j = 0;
+        for (; j + 8 <= m; j += 8) avx2_dot8_rows(q, (size_t)ldq, mk, x + (size_t)j * ldx, (size_t)ldx, n, yl + j, ldy, nw);
+        for (; j < m; j++) avx2_dot1_row(q, (size_t)ldq, mk, x + (size_t)j * ldx, n, yl + j, ldy, nw);
+    }
+}
+
 static const gl_kernels gl_avx2_kernels = {
     "avx2", avx2_matmul, avx2_matmul_q8, avx2_quantize_q8, avx2_dot, avx2_axpy, avx2_axpy_rows, avx2_axpy_rows_n,
-    avx2_exp_sum, avx2_silu_mul,
+    avx2_exp_sum, avx2_silu_mul, avx2_dot_rows_t,
 };
 
 /* The VNNI sets differ from AVX2 only in the W8A8 matmul. */
 static const gl_kernels gl_avx_vnni_kernels = {
     "avx_vnni", avx2_matmul, vnni_matmul_q8, avx2_quantize_q8, avx2_dot, avx2_axpy, avx2_axpy_rows, avx2_axpy_rows_n,
-    avx2_exp_sum, avx2_silu_mul,
+    avx2_exp_sum, avx2_silu_mul, avx2_dot_rows_t,
 };
 static const gl_kernels gl_avx512_vnni_kernels = {
     "avx512_vnni", avx512_matmul, evex_matmul_q8, avx2_quantize_q8, avx2_dot, avx2_axpy, avx2_axpy_rows, avx2_axpy_rows_n,
-    avx2_exp_sum, avx2_silu_mul,
+    avx2_exp_sum, avx2_silu_mul, avx2_dot_rows_t,
 };
 
 /* bf16 (shifted into the top half) or f16 (F16C) to fp32, 8 at a time;

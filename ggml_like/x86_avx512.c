@@ -230,10 +230,10 @@ GL_A512_INLINE void a512_panels(int type, const gl_mat *w, int nr, const float *
     }
 }
 
-/* A matrix small enough to stay in L1 (the attention core's KV blocks: 16
- * keys x 576 floats) goes the other way round: each token tile is read
- * once and passes over all the rows while they sit in L1, instead of every
- * row panel re-reading all the tokens from L2.  Same tiles, same bits. */
+/* A matrix small enough to stay in L1 (16 rows x 576 floats, say) goes the
+ * other way round: each token tile is read once and passes over all the
+ * rows while they sit in L1, instead of every row panel re-reading all the
+ * tokens from L2.  Same tiles, same bits. */
 #define A512_L1_BYTES (40 << 10)
 
 GL_A512_INLINE void a512_tokens_outer(int type, const gl_mat *w, const float *x, int n, int ldx,
@@ -802,9 +802,85 @@ static GL_A512 void a512_silu_mul(float *a, const float *b, int n) {
     }
 }
 
+/* dot_rows_t: 16 lanes (one vector of qt) against 16 rows at a time, each
+ * row element broadcast from memory into its own accumulator -- no
+ * horizontal sums, and every lane a chain of FMAs in c order.  The rows are
+ * reached from four moving pointers at 0, L, 2L and 3L bytes (a row array
+ * or 16 pointers made gcc spill the accumulators every step). */
+#define A512_BC(p, o) _mm512_set1_ps(*(const float *)((const char *)(p) + (o)))
+GL_A512_INLINE void a512_dot16_rows(const float *qt, size_t ldq, __mmask16 mk, const float *x, size_t ldx, int n,
+                                    float *y, int ldy, int nl) {
+    const size_t L = ldx * sizeof(float), L3 = 3 * L;
+    const char *p0 = (const char *)x, *p1 = p0 + 4 * L, *p2 = p1 + 4 * L, *p3 = p2 + 4 * L;
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    __m512 a8 = a0, a9 = a0, a10 = a0, a11 = a0, a12 = a0, a13 = a0, a14 = a0, a15 = a0;
+    const float *q = qt;
+    for (int c = 0; c < n; c++, q += ldq, p0 += 4, p1 += 4, p2 += 4, p3 += 4) {
+        const __m512 v = _mm512_maskz_loadu_ps(mk, q);
+        a0 = _mm512_fmadd_ps(v, A512_BC(p0, 0), a0);      a1 = _mm512_fmadd_ps(v, A512_BC(p0, L), a1);
+        a2 = _mm512_fmadd_ps(v, A512_BC(p0, 2 * L), a2);  a3 = _mm512_fmadd_ps(v, A512_BC(p0, L3), a3);
+        a4 = _mm512_fmadd_ps(v, A512_BC(p1, 0), a4);      a5 = _mm512_fmadd_ps(v, A512_BC(p1, L), a5);
+        a6 = _mm512_fmadd_ps(v, A512_BC(p1, 2 * L), a6);  a7 = _mm512_fmadd_ps(v, A512_BC(p1, L3), a7);
+        a8 = _mm512_fmadd_ps(v, A512_BC(p2, 0), a8);      a9 = _mm512_fmadd_ps(v, A512_BC(p2, L), a9);
+        a10 = _mm512_fmadd_ps(v, A512_BC(p2, 2 * L), a10); a11 = _mm512_fmadd_ps(v, A512_BC(p2, L3), a11);
+        a12 = _mm512_fmadd_ps(v, A512_BC(p3, 0), a12);    a13 = _mm512_fmadd_ps(v, A512_BC(p3, L), a13);
+        a14 = _mm512_fmadd_ps(v, A512_BC(p3, 2 * L), a14); a15 = _mm512_fmadd_ps(v, A512_BC(p3, L3), a15);
+    }
+    float t[16][16];   /* [row][lane], stored to y transposed */
+    _mm512_storeu_ps(t[0], a0);   _mm512_storeu_ps(t[1], a1);   _mm512_storeu_ps(t[2], a2);   _mm512_storeu_ps(t[3], a3);
+    _mm512_storeu_ps(t[4], a4);   _mm512_storeu_ps(t[5], a5);   _mm512_storeu_ps(t[6], a6);   _mm512_storeu_ps(t[7], a7);
+    _mm512_storeu_ps(t[8], a8);   _mm512_storeu_ps(t[9], a9);   _mm512_storeu_ps(t[10], a10); _mm512_storeu_ps(t[11], a11);
+    _mm512_storeu_ps(t[12], a12); _mm512_storeu_ps(t[13], a13); _mm512_storeu_ps(t[14], a14); _mm512_storeu_ps(t[15], a15);
+    for (int l = 0; l < nl; l++)
+        for (int j = 0; j < 16; j++) y[(size_t)l * ldy + j] = t[j][l];
+}
+
+/* The last m % 16 rows: four, then one at a time. */
+GL_A512_INLINE void a512_dot4_rows(const float *qt, size_t ldq, __mmask16 mk, const float *x, size_t ldx, int n,
+                                   float *y, int ldy, int nl) {
+    const size_t L = ldx * sizeof(float);
+    const char *p = (const char *)x;
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    const float *q = qt;
+    for (int c = 0; c < n; c++, q += ldq, p += 4) {
+        const __m512 v = _mm512_maskz_loadu_ps(mk, q);
+        a0 = _mm512_fmadd_ps(v, A512_BC(p, 0), a0);     a1 = _mm512_fmadd_ps(v, A512_BC(p, L), a1);
+        a2 = _mm512_fmadd_ps(v, A512_BC(p, 2 * L), a2); a3 = _mm512_fmadd_ps(v, A512_BC(p, 3 * L), a3);
+    }
+    float t[4][16];
+    _mm512_storeu_ps(t[0], a0); _mm512_storeu_ps(t[1], a1); _mm512_storeu_ps(t[2], a2); _mm512_storeu_ps(t[3], a3);
+    for (int l = 0; l < nl; l++)
+        for (int j = 0; j < 4; j++) y[(size_t)l * ldy + j] = t[j][l];
+}
+
+GL_A512_INLINE void a512_dot1_row(const float *qt, size_t ldq, __mmask16 mk, const float *x, int n, float *y, int ldy,
+                                  int nl) {
+    __m512 a0 = _mm512_setzero_ps();
+    const float *q = qt;
+    for (int c = 0; c < n; c++, q += ldq) a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, q), _mm512_set1_ps(x[c]), a0);
+    float t[16];
+    _mm512_storeu_ps(t, a0);
+    for (int l = 0; l < nl; l++) y[(size_t)l * ldy] = t[l];
+}
+#undef A512_BC
+
+static GL_A512 void a512_dot_rows_t(float *y, int ldy, const float *qt, int ldq, int nl, const float *x, int ldx, int m,
+                                    int n) {
+    for (int l0 = 0; l0 < nl; l0 += 16) {
+        const int nw = nl - l0 < 16 ? nl - l0 : 16;
+        const __mmask16 mk = nw == 16 ? (__mmask16)0xffff : a512_mask16(nw);
+        const float *q = qt + l0;
+        float *yl = y + (size_t)l0 * ldy;
+        int j = 0;
+        for (; j + 16 <= m; j += 16) a512_dot16_rows(q, (size_t)ldq, mk, x + (size_t)j * ldx, (size_t)ldx, n, yl + j, ldy, nw);
+        for (; j + 4 <= m; j += 4) a512_dot4_rows(q, (size_t)ldq, mk, x + (size_t)j * ldx, (size_t)ldx, n, yl + j, ldy, nw);
+        for (; j < m; j++) a512_dot1_row(q, (size_t)ldq, mk, x + (size_t)j * ldx, n, yl + j, ldy, nw);
+    }
+}
+
 static const gl_kernels gl_avx512_kernels = {
     "avx512", a512_matmul, a512_matmul_q8, a512_quantize_q8, a512_dot, a512_axpy, a512_axpy_rows, a512_axpy_rows_n,
-    a512_exp_sum, a512_silu_mul,
+    a512_exp_sum, a512_silu_mul, a512_dot_rows_t,
 };
 
 /* ---- opt-in: native BF16 dot products (AVX512_BF16) ----
@@ -916,5 +992,5 @@ static void a512bf_matmul(const gl_mat *w, const float *x, int n, int ldx, float
 
 static const gl_kernels gl_avx512_bf16_kernels = {
     "avx512_bf16", a512bf_matmul, a512_matmul_q8, a512_quantize_q8, a512_dot, a512_axpy, a512_axpy_rows,
-    a512_axpy_rows_n, a512_exp_sum, a512_silu_mul,
+    a512_axpy_rows_n, a512_exp_sum, a512_silu_mul, a512_dot_rows_t,
 };

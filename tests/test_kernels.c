@@ -357,6 +357,44 @@ static void test_axpy_rows(const gl_kernels *k) {
     free(x); free(p); free(y); free(y1); free(ys);
 }
 
+/* dot_rows_t: in the SIMD sets every output is one fmaf chain over c, the
+ * same bits as computed here whatever m, nl or the lane's place in its
+ * vector; the scalar set (plain multiply-adds) within rounding of it.  The
+ * outputs' gaps (ldy > m) are left untouched. */
+static void test_dot_rows_t(const gl_kernels *k) {
+    static const int ns[] = {1, 19, 576}, ms[] = {1, 4, 5, 16, 19, 33}, nls[] = {1, 5, 16, 17, 40, 64};
+    const int simd = strcmp(k->name, "scalar") != 0;
+    float *x = xmalloc(33 * 580 * sizeof(float)), *qt = xmalloc(576 * 70 * sizeof(float));
+    float *y = xmalloc(64 * 40 * sizeof(float));
+    for (size_t ni = 0; ni < sizeof ns / sizeof *ns; ni++)
+        for (size_t mi = 0; mi < sizeof ms / sizeof *ms; mi++)
+            for (size_t li = 0; li < sizeof nls / sizeof *nls; li++) {
+                int n = ns[ni], m = ms[mi], nl = nls[li], ldx = n + 3, ldq = nl + 2, ldy = m + 4;
+                for (int i = 0; i < m * ldx; i++) x[i] = rng_unif();
+                for (int i = 0; i < n * ldq; i++) qt[i] = rng_unif();
+                for (int i = 0; i < nl * ldy; i++) y[i] = -7.0f;
+                k->dot_rows_t(y, ldy, qt, ldq, nl, x, ldx, m, n);
+                int ok = 1;
+                for (int l = 0; l < nl; l++)
+                    for (int j = 0; j < ldy; j++) {
+                        float got = y[(size_t)l * ldy + j];
+                        if (j >= m) { ok &= got == -7.0f; continue; }
+                        float ref = 0;
+                        double mag = 0;
+                        for (int c = 0; c < n; c++) {
+                            float a = qt[(size_t)c * ldq + l], b = x[(size_t)j * ldx + c];
+                            ref = fmaf(a, b, ref);
+                            mag += fabs((double)a * b);
+                        }
+                        if (simd) ok &= f2u(got) == f2u(ref);
+                        else ok &= fabs((double)got - ref) <= 2.0 * (n + 1) * ldexp(1, -24) * mag + 1e-37;
+                    }
+                check(ok, "%s: dot_rows_t n=%d m=%d lanes=%d %s", k->name, n, m, nl,
+                      simd ? "differs from the fmaf chain" : "is not within rounding of it");
+            }
+    free(x); free(qt); free(y);
+}
+
 /* exp_sum and silu_mul against the scalar set (expf): within a few ulp per
  * element, on odd lengths (the vector tails), wide ranges, and the inputs
  * at the edges of the exponential: far below its range (0), above it (no
@@ -957,6 +995,7 @@ int main(int argc, char **argv) {
         test_quantize(sets[s]);
         test_dot_axpy(sets[s]);
         test_axpy_rows(sets[s]);
+        test_dot_rows_t(sets[s]);
         test_exp_silu(sets[s]);
         test_matmul_vs_scalar(sets[s]);
         test_q8_extremes(sets[s]);
