@@ -5316,17 +5316,21 @@ static void softmax_inplace(float *x, int n) {
  * s), so a block's MTP rows depend only on tokens up to that block's end. */
 
 typedef struct kv_pool {
-    int    block_tokens;      /* B                                         */
-    int    n_layers;          /* main + MTP layers                          */
-    int    row;               /* floats per token per layer                 */
-    size_t block_floats;      /* n_layers * B * row                         */
-    int    n_blocks;
-    float *data;              /* n_blocks * block_floats                    */
+    int      block_tokens;    /* B                                          */
+    int      n_layers;        /* main + MTP layers                           */
+    int      row;             /* values per token per layer                  */
+    int      bf16;            /* values stored as bf16 (cm384_config.kv_bf16),
+                                 else fp32                                   */
+    size_t   row_bytes;       /* row * (2 or 4)                              */
+    size_t   block_bytes;     /* n_layers * B * row_bytes                    */
+    int      n_blocks;
+    uint8_t *data;            /* n_blocks * block_bytes                      */
 } kv_pool;
 
-static float *kv_row(const kv_pool *kv, const int *blocks, int layer, int pos) {
+/* The row of (layer, pos): fp32, or bf16 with kv->bf16. */
+static void *kv_row(const kv_pool *kv, const int *blocks, int layer, int pos) {
     int b = blocks[pos / kv->block_tokens], s = pos % kv->block_tokens;
-    return kv->data + (size_t)b * kv->block_floats + ((size_t)layer * kv->block_tokens + s) * (size_t)kv->row;
+    return kv->data + (size_t)b * kv->block_bytes + ((size_t)layer * kv->block_tokens + s) * kv->row_bytes;
 }
 
 /* ---- 5.3 the router ---- */
@@ -5808,6 +5812,8 @@ typedef struct fwd_scratch {
     float  *scores;            /* [workers][CORE_TILE][H][core_chunk]             */
     float  *qt;                /* [workers][kv_lora+rope][CORE_TILE*H] a tile's
                                   absorbed queries transposed (core_queries)      */
+    float  *kv_f32;            /* [workers][core_chunk][kv_lora+rope] a bf16 cache's
+                                  chunk widened (core_rows); NULL with fp32       */
     float  *run_ml;            /* [workers][2][CORE_TILE][H][2] running max and sum:
                                   the lane being run, and the lanes folded so far */
     float  *lane_lat;          /* [workers][CORE_TILE][H][kv_lora] a lane's latents */
@@ -5856,7 +5862,7 @@ static void *carve(carver *c, size_t bytes) {
     return c->base ? c->base + at : NULL;
 }
 
-static void scratch_carve(carver *c, fwd_scratch *s, const hparams *hp, int cap, int block, int workers,
+static void scratch_carve(carver *c, fwd_scratch *s, const hparams *hp, int cap, int block, int kv_bf16, int workers,
                           int n_entries, int n_jobs) {
     size_t C = (size_t)cap, H = (size_t)hp->n_heads, K = (size_t)(hp->top_k > 0 ? hp->top_k : 1);
     size_t D = (size_t)hp->dim, lat = (size_t)hp->kv_lora + hp->qk_rope;
@@ -5879,6 +5885,7 @@ static void scratch_carve(carver *c, fwd_scratch *s, const hparams *hp, int cap,
     s->core_chunk = (CORE_KEYS + block - 1) / block * block;
     s->scores = F((size_t)workers * H * CORE_TILE * (size_t)s->core_chunk);
     s->qt = F((size_t)workers * CORE_TILE * H * lat);
+    s->kv_f32 = kv_bf16 ? F((size_t)workers * s->core_chunk * lat) : NULL;
     s->run_ml = F((size_t)workers * 2 * H * CORE_TILE * 2);
     s->lane_lat = F((size_t)workers * CORE_TILE * H * hp->kv_lora);
     s->split_ml = F((size_t)CORE_SPLIT_TILES * CORE_TILE * H * CORE_LANES * 2);
@@ -6351,11 +6358,15 @@ static void t_kv_write(void *ctx, int g, int t, int worker) {
         rmsnorm(qa, qa, L->q_norm, hp->q_lora, hp->eps);
         if (op_q8(o)) quantize_row(o->e, qa, hp->q_lora, mb->s->qaq + (size_t)r * hp->q_lora, &mb->s->qas[r]);
     }
-    const float *kva = mb->s->kva + (size_t)r * lat;
-    float *row = kv_row(&o->e->kv, mb->tables[r], o->layer, mb->pos[r] + mb->kv_shift);
+    float *kva = mb->s->kva + (size_t)r * lat;
+    void *slot = kv_row(&o->e->kv, mb->tables[r], o->layer, mb->pos[r] + mb->kv_shift);
+    int bf16 = o->e->kv.bf16;
+    float *row = bf16 ? kva : slot;                /* bf16: made in place, then rounded */
     rmsnorm(row, kva, L->kv_norm, hp->kv_lora, hp->eps);
-    memcpy(row + hp->kv_lora, kva + hp->kv_lora, (size_t)hp->qk_rope * sizeof(float));
+    if (!bf16) memcpy(row + hp->kv_lora, kva + hp->kv_lora, (size_t)hp->qk_rope * sizeof(float));
     rope(row + hp->kv_lora, mb->s->rope_cs + (size_t)r * hp->qk_rope, hp->qk_rope);
+    if (bf16)
+        for (int i = 0; i < lat; i++) ((uint16_t *)slot)[i] = gl_f32_to_bf16(row[i]);
 }
 
 /* Absorb W_uk into the query for one head over a device's rows, then place
@@ -6431,6 +6442,20 @@ static void core_queries(op *o, int tile, int h0, int h1, int worker) {
             for (int h = h0; h < h1; h++) *dst++ = src[((size_t)q * H + h) * lat_w + c];
 }
 
+/* The nk fp32 rows from key j (slot j + kv_shift) on, all in one KV block:
+ * the cache's own, or with a bf16 cache widened (exactly) into the worker's
+ * kv_f32 at key j - c0 of the chunk, where the weighted sum finds them. */
+static const float *core_rows(op *o, const int *tab, int j, int c0, int nk, int worker) {
+    struct cm384_engine *e = o->e;
+    const void *rows = kv_row(&e->kv, tab, o->layer, j + o->mb->kv_shift);
+    if (!e->kv.bf16) return rows;
+    int lat_w = e->kv.row;
+    float *out = o->mb->s->kv_f32 + ((size_t)worker * o->mb->s->core_chunk + (size_t)(j - c0)) * lat_w;
+    gl_mat m = {GL_BF16, 1, nk * lat_w, (void *)rows, NULL};
+    gl_row_to_f32(&m, 0, out);
+    return out;
+}
+
 /* One lane of a tile over heads [h0, h1) (core_queries has laid them out):
  * its unnormalized latents at
  * lat + h * ldh + q * ldq, its M and L at ml + (q * H + h) * 2 (L = 0: the
@@ -6470,7 +6495,7 @@ static void core_lane(op *o, int tile, int h0, int h1, int lane, float *lat, siz
         for (int j0 = c0; j0 < c1;) {
             int nk = B - (j0 + sh) % B;
             if (nk > c1 - j0) nk = c1 - j0;
-            const float *rows = kv_row(&e->kv, tab, o->layer, j0 + sh);
+            const float *rows = core_rows(o, tab, j0, c0, nk, worker);
             if (nh == H)
                 k->dot_rows_t(SC(0, 0) + (j0 - c0), CH, qt, nl, nl, rows, lat_w, nk, lat_w);
             else
@@ -6499,8 +6524,9 @@ static void core_lane(op *o, int tile, int h0, int h1, int lane, float *lat, siz
             for (int j0 = c0; j0 < c0 + m;) {          /* weighted rows, a block's run at a time */
                 int nk = B - (j0 + sh) % B;
                 if (nk > c0 + m - j0) nk = c0 + m - j0;
-                k->axpy_rows_n(LATENT(h0, q), (int)ldh, kv_row(&e->kv, tab, o->layer, j0 + sh), lat_w,
-                               SC(h0, q) + (j0 - c0), CH, h1 - h0, nk, R);
+                const float *rows = e->kv.bf16 ? s->kv_f32 + ((size_t)worker * CH + (size_t)(j0 - c0)) * lat_w
+                                               : kv_row(&e->kv, tab, o->layer, j0 + sh);
+                k->axpy_rows_n(LATENT(h0, q), (int)ldh, rows, lat_w, SC(h0, q) + (j0 - c0), CH, h1 - h0, nk, R);
                 j0 += nk;
             }
         }
@@ -7368,6 +7394,7 @@ typedef struct kvf_header {          /* little-endian, as written by this host  
 typedef struct kvf_expect {
     uint64_t fingerprint, key, parent;
     uint32_t tenant, block_tokens, n_layers, row, h_dim;
+    uint32_t value_bytes;                  /* of a KV value: 4 (fp32) or 2 (bf16) */
 } kvf_expect;
 
 /* The checksum of the cache's files, over 8-byte words; a file can be
@@ -7392,7 +7419,7 @@ static uint64_t kvf_checksum(const uint8_t *p, size_t n) {
 }
 
 static size_t kvf_payload_bytes(const kvf_expect *x) {
-    return (size_t)x->block_tokens * sizeof(int32_t) + (size_t)x->n_layers * x->block_tokens * x->row * sizeof(float) +
+    return (size_t)x->block_tokens * sizeof(int32_t) + (size_t)x->n_layers * x->block_tokens * x->row * x->value_bytes +
            (size_t)x->h_dim * sizeof(float);
 }
 
@@ -8832,7 +8859,7 @@ static void hand_off(struct cm384_engine *e, request *r) {
     int best = e->attn_devs[0];
     for (int i = 1; i < e->n_attn; i++)
         if (e->dev[e->attn_devs[i]].n_owned < e->dev[best].n_owned) best = e->attn_devs[i];
-    uint64_t bytes = (uint64_t)r->n_blocks * e->kv.block_floats * sizeof(float);
+    uint64_t bytes = (uint64_t)r->n_blocks * e->kv.block_bytes;
     if (best != r->device) {
         fabric_count(e, PLANE_RDMA, r->device, best, bytes);
         atomic_fetch_add_explicit(&e->kv_handoff_bytes, bytes, memory_order_relaxed);
@@ -9480,7 +9507,7 @@ static void kvf_path(const struct cm384_engine *e, uint64_t key, char *out, size
 
 static kvf_expect kvf_expect_for(const struct cm384_engine *e, uint64_t key, uint64_t parent, uint32_t tenant) {
     return (kvf_expect){e->kv_fingerprint, key, parent, tenant, (uint32_t)e->kv.block_tokens, (uint32_t)e->kv.n_layers,
-                        (uint32_t)e->kv.row, e->mtp ? (uint32_t)e->m->hp.dim : 0u};
+                        (uint32_t)e->kv.row, e->mtp ? (uint32_t)e->m->hp.dim : 0u, e->kv.bf16 ? 2u : 4u};
 }
 
 static uint8_t *cacher_buf(cacher *C, size_t n) {
@@ -9506,8 +9533,8 @@ static void cache_save(struct cm384_engine *e, int b) {
     if (buf) {
         uint8_t *p = buf + sizeof h;
         memcpy(p, bm->tokens, B * sizeof(int32_t));
-        memcpy(p + B * sizeof(int32_t), e->kv.data + (size_t)b * e->kv.block_floats, e->kv.block_floats * sizeof(float));
-        if (x.h_dim) memcpy(p + B * sizeof(int32_t) + e->kv.block_floats * sizeof(float), e->blk_h + (size_t)b * x.h_dim,
+        memcpy(p + B * sizeof(int32_t), e->kv.data + (size_t)b * e->kv.block_bytes, e->kv.block_bytes);
+        if (x.h_dim) memcpy(p + B * sizeof(int32_t) + e->kv.block_bytes, e->blk_h + (size_t)b * x.h_dim,
                             (size_t)x.h_dim * sizeof(float));
         memset(&h, 0, sizeof h);
         memcpy(h.magic, KVF_MAGIC, 8);
@@ -9552,8 +9579,8 @@ static const char *cache_read(struct cm384_engine *e, const kvf_expect *x, const
     if (why) return why;
     size_t B = (size_t)x->block_tokens;
     if (memcmp(buf + at, tokens, B * sizeof(int32_t))) return "holds other tokens";
-    memcpy(e->kv.data + (size_t)dst * e->kv.block_floats, buf + at + B * sizeof(int32_t), e->kv.block_floats * sizeof(float));
-    if (x->h_dim) memcpy(e->blk_h + (size_t)dst * x->h_dim, buf + at + B * sizeof(int32_t) + e->kv.block_floats * sizeof(float),
+    memcpy(e->kv.data + (size_t)dst * e->kv.block_bytes, buf + at + B * sizeof(int32_t), e->kv.block_bytes);
+    if (x->h_dim) memcpy(e->blk_h + (size_t)dst * x->h_dim, buf + at + B * sizeof(int32_t) + e->kv.block_bytes,
                          (size_t)x->h_dim * sizeof(float));
     return NULL;
 }
@@ -9603,7 +9630,7 @@ static void cache_load(struct cm384_engine *e, request *r) {
         memcpy(mtp_h_slot(e, r, r->mtp_done), e->blk_h + (size_t)r->blocks[r->load_first + loaded - 1] * e->m->hp.dim,
                (size_t)e->m->hp.dim * sizeof(float));
     }
-    uint64_t bytes = (uint64_t)loaded * e->kv.block_floats * sizeof(float);
+    uint64_t bytes = (uint64_t)loaded * e->kv.block_bytes;
     if (bytes && r->device != e->cache_dev) fabric_count(e, PLANE_POOL, e->cache_dev, r->device, bytes);
     peer *P = &e->peers[LANE_PREFILL];
     pthread_mutex_lock(&e->mu);
@@ -9650,7 +9677,7 @@ static int cache_dir_open(struct cm384_engine *e, const char *dir) {
     const cm384_config *c = &e->cfg;
     uint64_t fp = model_fingerprint(e->m);
     fp = mix64(fp ^ (uint64_t)(c->int8 > 0) ^ (uint64_t)(c->int8_dispatch > 0) << 1 ^ (uint64_t)e->bf16_combine << 2 ^
-               (uint64_t)e->mtp << 3 ^ (uint64_t)e->kv.block_tokens << 8 ^ (uint64_t)CORE_LANES << 24);
+               (uint64_t)e->mtp << 3 ^ (uint64_t)e->kv.bf16 << 4 ^ (uint64_t)e->kv.block_tokens << 8 ^ (uint64_t)CORE_LANES << 24);
     fp = mix64(fp ^ hash_str(e->k->name, strlen(e->k->name)));   /* fp32 sums differ in the last bits across kernel sets */
     uint32_t slack;
     memcpy(&slack, &e->core_slack, 4);
@@ -10461,10 +10488,11 @@ int cm384_report(cm384_engine *e, char *buf, size_t cap) {
                       st.n_expert_devices == E ? "one per routed expert: this model has no more to spread" : "experts shared out",
                       st.n_idle_devices);
     }
-    sb_printf(&b, "numerics: %s%s%s%s\n", e->cfg.int8 || e->cfg.int8_dispatch || e->bf16_combine ? "approximations on:" :
-              "exact (weights as stored, fp32 dispatch and combine: the reference's results)",
+    sb_printf(&b, "numerics: %s%s%s%s%s\n",
+              e->cfg.int8 || e->cfg.int8_dispatch || e->bf16_combine || e->kv.bf16 ? "approximations on:" :
+              "exact (weights as stored, fp32 dispatch, combine and KV cache: the reference's results)",
               e->cfg.int8 ? " INT8 W8A8 weights" : "", e->cfg.int8_dispatch ? " INT8 dispatch" : "",
-              e->bf16_combine ? " BF16 combine" : "");
+              e->bf16_combine ? " BF16 combine" : "", e->kv.bf16 ? " BF16 KV cache" : "");
     sb_printf(&b, "requests: %llu done, %llu cancelled, %llu failed, %llu preempted\n",
               (unsigned long long)st.requests_done, (unsigned long long)st.requests_cancelled,
               (unsigned long long)st.requests_failed, (unsigned long long)st.requests_preempted);
@@ -10748,6 +10776,7 @@ static int config_resolve(cm384_config *c, const hparams *hp, const char *preset
     RANGE(eplb_period, -1, 1000000);
     RANGE(bf16_combine, -1, 1);
     RANGE(time_shared, 0, 1);
+    RANGE(kv_bf16, 0, 1);
 #undef RANGE
     if (!(c->tpot_target_ms >= 0) || isinf(c->tpot_target_ms))
         return fail(CM384_E_INVALID, "config.tpot_target_ms = %g is not a finite value >= 0", c->tpot_target_ms);
@@ -10774,7 +10803,7 @@ static void carve_peer(struct cm384_engine *e, peer *P, carver *c, int n_entries
     int V = hp->vocab, cap = P->step_cap, W = e->n_workers + 1;          /* + the prefill loop's thread */
     int max_groups = e->n_dev < cap ? e->n_dev : cap;
     int n_jobs = 3 * max_groups + 2 * n_entries + 8;
-    for (int i = 0; i < 2; i++) scratch_carve(c, &P->s[i], hp, cap, e->kv.block_tokens, W, n_entries, n_jobs);
+    for (int i = 0; i < 2; i++) scratch_carve(c, &P->s[i], hp, cap, e->kv.block_tokens, e->kv.bf16, W, n_entries, n_jobs);
     P->logits = carve(c, (size_t)P->rows_cap * V * sizeof(float));
     P->cands = carve(c, (size_t)W * V * sizeof(cand));
     for (int i = 0; i < 2; i++) {
@@ -10799,7 +10828,7 @@ static void carve_pool(struct cm384_engine *e, carver *c) {
     const hparams *hp = &e->m->hp;
     int B = e->kv.block_tokens, NB = e->kv.n_blocks;
     int n_entries = e->place[0].n_entries > e->place[1].n_entries ? e->place[0].n_entries : e->place[1].n_entries;
-    e->kv.data = carve(c, (size_t)NB * e->kv.block_floats * sizeof(float));
+    e->kv.data = carve(c, (size_t)NB * e->kv.block_bytes);
     e->bm = carve(c, (size_t)NB * sizeof(block_meta));
     int32_t *toks = carve(c, (size_t)NB * B * sizeof(int32_t));
     e->free_blocks = carve(c, (size_t)NB * sizeof(int));
@@ -10836,7 +10865,7 @@ static void memory_estimate(struct cm384_engine *e, int tracing) {
     uint64_t w_stored = m->weight_bytes + own;
     uint64_t kept = m->weight_bytes > m->q8_replaced ? m->weight_bytes - m->q8_replaced : 0;   /* embedding, routers */
     uint64_t w_int8 = kept + m->q8_bytes + own;
-    uint64_t kv = (uint64_t)e->kv.n_blocks * e->kv.block_floats * sizeof(float);
+    uint64_t kv = (uint64_t)e->kv.n_blocks * e->kv.block_bytes;
     uint64_t counters = 3 * nd * nd * sizeof(uint64_t) + (uint64_t)e->n_workers * nd * sizeof(double) +
                         2 * NL * E * sizeof(uint64_t) + (2 + NL) * nd * sizeof(uint64_t) +
                         (uint64_t)(e->peers[0].rg.cap + e->peers[1].rg.cap) * sizeof(rg_group) +
@@ -10948,11 +10977,13 @@ int cm384_engine_create(const cm384_model *m, const cm384_config *cfg, cm384_eng
         kv->block_tokens = c.kv_block_tokens;
         kv->n_layers = hp->n_layers + hp->n_mtp;
         kv->row = hp->kv_lora + hp->qk_rope;
-        kv->block_floats = (size_t)kv->n_layers * kv->block_tokens * kv->row;
-        size_t block_bytes = kv->block_floats * sizeof(float);
+        kv->bf16 = c.kv_bf16 > 0;
+        kv->row_bytes = (size_t)kv->row * (kv->bf16 ? 2 : 4);
+        kv->block_bytes = (size_t)kv->n_layers * kv->block_tokens * kv->row_bytes;
+        size_t block_bytes = kv->block_bytes;
         size_t want = c.kv_pool_bytes;
         if (!want) {
-            want = (size_t)c.max_batch * ((size_t)c.max_ctx + kv->block_tokens) * kv->n_layers * kv->row * sizeof(float);
+            want = (size_t)c.max_batch * ((size_t)c.max_ctx + kv->block_tokens) * kv->n_layers * kv->row_bytes;
             if (want > (size_t)1 << 30) want = (size_t)1 << 30;
         }
         size_t nb = want / block_bytes;

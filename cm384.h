@@ -444,6 +444,14 @@ typedef struct cm384_config {
                                       found again by later engines and processes on
                                       the same model and numerics.  NULL (default):
                                       memory only                                    */
+    int          kv_bf16;          /* 1: the latent KV cache holds bf16, rounded
+                                      from fp32 -- half the bytes a token takes, so
+                                      twice the context fits the same pool and
+                                      context cache; an approximation (its effect
+                                      on logits: docs/how-it-works.md, section 10).
+                                      The attention core widens each chunk of keys
+                                      back to fp32 exactly.  0 (default): fp32,
+                                      exact                                          */
 } cm384_config;
 
 CM384_API void cm384_config_init(cm384_config *c);

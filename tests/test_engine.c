@@ -549,7 +549,7 @@ static void mtp_gate_cache(cm384_model *m) {
         cm384_get_stats(e, &st);
         drafted[k] = st.mtp_drafted;
         const kv_pool *kv = &e->kv;
-        size_t bf = kv->block_floats;
+        size_t bf = kv->block_bytes / sizeof(float);          /* an fp32 cache */
         int l = m->hp.n_layers, B = kv->block_tokens, row = kv->row;
         rows[k] = malloc(sizeof(float) * bf * (size_t)kv->n_blocks);
         memcpy(rows[k], kv->data, sizeof(float) * bf * (size_t)kv->n_blocks);

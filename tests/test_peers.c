@@ -502,10 +502,75 @@ static void pe_disk_tier(cm384_model *m) {
     if (system(cmd)) {}
 }
 
+/* A bf16 KV cache (config.kv_bf16) on disk: its blocks take half the bytes
+ * of fp32 ones, a second engine finds them and gives the first's tokens,
+ * and an fp32 engine on the same folder never takes them (other numerics). */
+static cm384_engine *pe_kv_engine(cm384_model *m, const char *dir, int kv_bf16) {
+    cm384_config c;
+    cm384_config_init(&c);
+    c.n_workers = 2; c.max_ctx = 256; c.cache_dir = dir; c.int8_dispatch = 0; c.kv_bf16 = kv_bf16;
+    cm384_engine *e = NULL;
+    if (cm384_engine_create(m, &c, &e)) printf("  engine_create: %s\n", cm384_last_error());
+    return e;
+}
+
+static long pe_folder_kv_bytes(const char *folder, int *files) {
+    long bytes = 0;
+    *files = 0;
+    DIR *d = opendir(folder);
+    for (struct dirent *de; d && (de = readdir(d));) {
+        if (!strstr(de->d_name, ".kv")) continue;
+        char p[900];
+        snprintf(p, sizeof p, "%s/%s", folder, de->d_name);
+        struct stat sb;
+        if (!stat(p, &sb)) { bytes += (long)sb.st_size; (*files)++; }
+    }
+    if (d) closedir(d);
+    return bytes;
+}
+
+static void pe_disk_tier_bf16(cm384_model *m) {
+    char dir[] = "/tmp/cm384-peers-kvbf16-XXXXXX";
+    if (!mkdtemp(dir)) { CHECK(0, "mkdtemp"); return; }
+    static pe_job a, b, f32;
+    memset(&a, 0, sizeof a);
+    a.n_prompt = 150; a.max_tokens = 12;
+    for (int t = 0; t < a.n_prompt; t++) a.prompt[t] = t ? 3 + (t * 29) % 1000 : 0;
+    b = f32 = a;
+    char fold16[600], fold32[600];
+    int files16 = 0, files32 = 0;
+    cm384_engine *e = pe_kv_engine(m, dir, 0);                 /* fp32 first: its files to compare */
+    if (!e) { CHECK(0, "engine"); return; }
+    pe_run_one(e, &f32);
+    snprintf(fold32, sizeof fold32, "%s", e->cache_dir);
+    cm384_engine_free(e);
+    e = pe_kv_engine(m, dir, 1);
+    if (!e) { CHECK(0, "engine"); return; }
+    cm384_stats st = pe_run_one(e, &a);
+    snprintf(fold16, sizeof fold16, "%s", e->cache_dir);
+    cm384_engine_free(e);
+    long bytes16 = pe_folder_kv_bytes(fold16, &files16), bytes32 = pe_folder_kv_bytes(fold32, &files32);
+    e = pe_kv_engine(m, dir, 1);
+    st = pe_run_one(e, &b);
+    cm384_engine_free(e);
+    printf("bf16 KV cache on disk: %d files of %ld bytes (fp32: %d of %ld); a second engine took %d prompt tokens "
+           "from disk (%llu blocks), tokens %s; the first run's cached %d\n", files16, files16 ? bytes16 / files16 : 0,
+           files32, files32 ? bytes32 / files32 : 0, b.n_cached, (unsigned long long)st.cache_hits_disk,
+           pe_same(&a, &b) ? "identical" : "DIFFERENT", a.n_cached);
+    CHECK(strcmp(fold16, fold32) != 0, "bf16 and fp32 KV blocks share a folder");
+    CHECK(files16 >= 9 && files16 == files32 && bytes16 < 0.55 * bytes32 && bytes16 > 0.45 * bytes32,
+          "bf16 block files: %d of %ld bytes against %d fp32 of %ld", files16, bytes16, files32, bytes32);
+    CHECK(a.n_cached == 0 && b.n_cached == 144 && st.cache_hits_disk == 9 && pe_same(&a, &b),
+          "bf16 KV from disk: %d cached, same %d", b.n_cached, pe_same(&a, &b));
+    char cmd[700];
+    snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
+    if (system(cmd)) {}
+}
+
 /* The file parser on its own: every truncation of a good file and every
  * single-byte change of its header is refused. */
 static void pe_kvf_parser(void) {
-    kvf_expect x = {0x1234, 0x55, 0x66, 7, 4, 2, 3, 0};
+    kvf_expect x = {0x1234, 0x55, 0x66, 7, 4, 2, 3, 0, 4};
     size_t pay = kvf_payload_bytes(&x), n = sizeof(kvf_header) + pay, at;
     uint8_t *buf = calloc(1, n), *cp = malloc(n);
     kvf_header h;
@@ -586,6 +651,7 @@ TEST_MAIN(peers) {
     pe_trace_overlap(m);
     pe_kvf_parser();
     pe_disk_tier(m);
+    pe_disk_tier_bf16(m);
     pe_model_cache();
     if (!pe_quick) pe_bf16_accuracy(m);
     cm384_model_free(m);

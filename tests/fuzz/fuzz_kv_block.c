@@ -11,7 +11,8 @@
 
 static int fuzz_kv_block(const uint8_t *data, size_t size) {
     if (size < 1) return 0;
-    kvf_expect x = {0x0123456789abcdefull, 0x1111, 0x2222, 3, 4, 2, 3, (uint32_t)(data[0] >> 4 & 1) * 5};
+    kvf_expect x = {0x0123456789abcdefull, 0x1111, 0x2222, 3, 4, 2, 3, (uint32_t)(data[0] >> 4 & 1) * 5,
+                    data[0] & 0x20 ? 2u : 4u};
     size_t pay = kvf_payload_bytes(&x), n = sizeof(kvf_header) + pay, at = 0;
     if (!(data[0] & 1)) {                                   /* any bytes as a file */
         const char *why = kvf_parse(data + 1, size - 1, &x, &at);
