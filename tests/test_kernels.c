@@ -1010,6 +1010,7 @@ int main(int argc, char **argv) {
         if (bf) {
             test_bf16_native(bf);
             test_q8_extremes(bf);
+            test_dot_rows_t(bf);
             test_invariance(bf, pool2, pool4);
         }
 #if defined(GL_HAVE_AVX2)
