@@ -6442,16 +6442,21 @@ static void core_queries(op *o, int tile, int h0, int h1, int worker) {
             for (int h = h0; h < h1; h++) *dst++ = src[((size_t)q * H + h) * lat_w + c];
 }
 
+/* With a bf16 cache: the worker's fp32 copy of the chunk's key i. */
+static float *core_widened(const op *o, int worker, int i) {
+    const fwd_scratch *s = o->mb->s;
+    return s->kv_f32 + ((size_t)worker * s->core_chunk + (size_t)i) * o->e->kv.row;
+}
+
 /* The nk fp32 rows from key j (slot j + kv_shift) on, all in one KV block:
  * the cache's own, or with a bf16 cache widened (exactly) into the worker's
- * kv_f32 at key j - c0 of the chunk, where the weighted sum finds them. */
+ * copy of the chunk (core_widened), where the weighted sum finds them. */
 static const float *core_rows(op *o, const int *tab, int j, int c0, int nk, int worker) {
     struct cm384_engine *e = o->e;
     const void *rows = kv_row(&e->kv, tab, o->layer, j + o->mb->kv_shift);
     if (!e->kv.bf16) return rows;
-    int lat_w = e->kv.row;
-    float *out = o->mb->s->kv_f32 + ((size_t)worker * o->mb->s->core_chunk + (size_t)(j - c0)) * lat_w;
-    gl_mat m = {GL_BF16, 1, nk * lat_w, (void *)rows, NULL};
+    float *out = core_widened(o, worker, j - c0);
+    gl_mat m = {GL_BF16, 1, nk * e->kv.row, (void *)rows, NULL};
     gl_row_to_f32(&m, 0, out);
     return out;
 }
@@ -6524,8 +6529,7 @@ static void core_lane(op *o, int tile, int h0, int h1, int lane, float *lat, siz
             for (int j0 = c0; j0 < c0 + m;) {          /* weighted rows, a block's run at a time */
                 int nk = B - (j0 + sh) % B;
                 if (nk > c0 + m - j0) nk = c0 + m - j0;
-                const float *rows = e->kv.bf16 ? s->kv_f32 + ((size_t)worker * CH + (size_t)(j0 - c0)) * lat_w
-                                               : kv_row(&e->kv, tab, o->layer, j0 + sh);
+                const float *rows = e->kv.bf16 ? core_widened(o, worker, j0 - c0) : kv_row(&e->kv, tab, o->layer, j0 + sh);
                 k->axpy_rows_n(LATENT(h0, q), (int)ldh, rows, lat_w, SC(h0, q) + (j0 - c0), CH, h1 - h0, nk, R);
                 j0 += nk;
             }
