@@ -347,6 +347,40 @@ static void neon_axpy_rows_n(float *y, int ldy, const float *x, int ldx, const f
     for (int h = 0; h < nh; h++) neon_axpy_rows(y + (size_t)h * ldy, x, ldx, a + (size_t)h * lda, m, n);
 }
 
+/* axpy_rows_n over bf16 rows: neon_axpy_rows's FMAs on rows widened in
+ * registers (vshll by 16), so its bits at half the bytes. */
+GL_NEON_INLINE float32x4_t neon_bf16x4(const uint16_t *p) { return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16)); }
+
+static void neon_axpy_rows_bf16(float *y, const uint16_t *x, int ldx, const float *a, int m, int n) {
+    int c = 0;
+    for (; c + 16 <= n; c += 16) {
+        float32x4_t y0 = vld1q_f32(y + c), y1 = vld1q_f32(y + c + 4), y2 = vld1q_f32(y + c + 8), y3 = vld1q_f32(y + c + 12);
+        for (int j = 0; j < m; j++) {
+            const uint16_t *xr = x + (size_t)j * ldx + c;
+            y0 = vfmaq_n_f32(y0, neon_bf16x4(xr), a[j]);
+            y1 = vfmaq_n_f32(y1, neon_bf16x4(xr + 4), a[j]);
+            y2 = vfmaq_n_f32(y2, neon_bf16x4(xr + 8), a[j]);
+            y3 = vfmaq_n_f32(y3, neon_bf16x4(xr + 12), a[j]);
+        }
+        vst1q_f32(y + c, y0); vst1q_f32(y + c + 4, y1); vst1q_f32(y + c + 8, y2); vst1q_f32(y + c + 12, y3);
+    }
+    for (; c + 4 <= n; c += 4) {
+        float32x4_t y0 = vld1q_f32(y + c);
+        for (int j = 0; j < m; j++) y0 = vfmaq_n_f32(y0, neon_bf16x4(x + (size_t)j * ldx + c), a[j]);
+        vst1q_f32(y + c, y0);
+    }
+    for (; c < n; c++) {
+        float acc = y[c];
+        for (int j = 0; j < m; j++) acc = fmaf(a[j], gl_bf16_to_f32(x[(size_t)j * ldx + c]), acc);
+        y[c] = acc;
+    }
+}
+
+static void neon_axpy_rows_n_bf16(float *y, int ldy, const uint16_t *x, int ldx, const float *a, int lda, int nh, int m,
+                                  int n) {
+    for (int h = 0; h < nh; h++) neon_axpy_rows_bf16(y + (size_t)h * ldy, x, ldx, a + (size_t)h * lda, m, n);
+}
+
 /* e^x on 4 lanes (GL_EXP_* in ggml_like.c says how). */
 GL_NEON_INLINE float32x4_t neon_exp(float32x4_t x) {
     const uint32x4_t under = vcltq_f32(x, vdupq_n_f32(GL_EXP_LO));
@@ -452,13 +486,63 @@ static void neon_dot_rows_t(float *y, int ldy, const float *qt, int ldq, int nl,
         }
 }
 
+/* dot_rows_t over bf16 rows: neon_dot_rows_t's chains on elements widened
+ * as they are read. */
+#define NEON_BF(p, i) gl_bf16_to_f32((p)[i])
+GL_NEON_INLINE void neon_dot8_rows_bf16(const float *qt, size_t ldq, const uint16_t *x, size_t ldx, int n, float *y,
+                                        int ldy) {
+    const uint16_t *p0 = x, *p1 = x + 4 * ldx;
+    const size_t L = ldx;
+    float32x4_t a0 = vdupq_n_f32(0), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    const float *q = qt;
+    for (int c = 0; c < n; c++, q += ldq, p0++, p1++) {
+        const float32x4_t v = vld1q_f32(q);
+        a0 = vfmaq_n_f32(a0, v, NEON_BF(p0, 0));     a1 = vfmaq_n_f32(a1, v, NEON_BF(p0, L));
+        a2 = vfmaq_n_f32(a2, v, NEON_BF(p0, 2 * L)); a3 = vfmaq_n_f32(a3, v, NEON_BF(p0, 3 * L));
+        a4 = vfmaq_n_f32(a4, v, NEON_BF(p1, 0));     a5 = vfmaq_n_f32(a5, v, NEON_BF(p1, L));
+        a6 = vfmaq_n_f32(a6, v, NEON_BF(p1, 2 * L)); a7 = vfmaq_n_f32(a7, v, NEON_BF(p1, 3 * L));
+    }
+    float t[8][4];
+    vst1q_f32(t[0], a0); vst1q_f32(t[1], a1); vst1q_f32(t[2], a2); vst1q_f32(t[3], a3);
+    vst1q_f32(t[4], a4); vst1q_f32(t[5], a5); vst1q_f32(t[6], a6); vst1q_f32(t[7], a7);
+    for (int l = 0; l < 4; l++)
+        for (int j = 0; j < 8; j++) y[(size_t)l * ldy + j] = t[j][l];
+}
+
+static void neon_dot_rows_t_bf16(float *y, int ldy, const float *qt, int ldq, int nl, const uint16_t *x, int ldx, int m,
+                                 int n) {
+    int l0 = 0;
+    for (; l0 + 4 <= nl; l0 += 4) {
+        const float *q = qt + l0;
+        float *yl = y + (size_t)l0 * ldy;
+        int j = 0;
+        for (; j + 8 <= m; j += 8) neon_dot8_rows_bf16(q, (size_t)ldq, x + (size_t)j * ldx, (size_t)ldx, n, yl + j, ldy);
+        for (; j < m; j++) {
+            const uint16_t *xr = x + (size_t)j * ldx;
+            float32x4_t a0 = vdupq_n_f32(0);
+            for (int c = 0; c < n; c++) a0 = vfmaq_n_f32(a0, vld1q_f32(q + (size_t)c * ldq), NEON_BF(xr, c));
+            float t[4];
+            vst1q_f32(t, a0);
+            for (int l = 0; l < 4; l++) yl[(size_t)l * ldy + j] = t[l];
+        }
+    }
+    for (; l0 < nl; l0++)
+        for (int j = 0; j < m; j++) {
+            const uint16_t *xr = x + (size_t)j * ldx;
+            float acc = 0;
+            for (int c = 0; c < n; c++) acc = fmaf(qt[(size_t)c * ldq + l0], NEON_BF(xr, c), acc);
+            y[(size_t)l0 * ldy + j] = acc;
+        }
+}
+#undef NEON_BF
+
 static const gl_kernels gl_neon_kernels = {
     "neon", neon_matmul, neon_matmul_q8_plain, neon_quantize_q8, neon_dot, neon_axpy, neon_axpy_rows,
-    neon_axpy_rows_n, neon_exp_sum, neon_silu_mul, neon_dot_rows_t,
+    neon_axpy_rows_n, neon_exp_sum, neon_silu_mul, neon_dot_rows_t, neon_dot_rows_t_bf16, neon_axpy_rows_n_bf16,
 };
 static const gl_kernels gl_neon_dot_kernels = {
     "neon_dotprod", neon_matmul, neon_matmul_q8_dot, neon_quantize_q8, neon_dot, neon_axpy, neon_axpy_rows,
-    neon_axpy_rows_n, neon_exp_sum, neon_silu_mul, neon_dot_rows_t,
+    neon_axpy_rows_n, neon_exp_sum, neon_silu_mul, neon_dot_rows_t, neon_dot_rows_t_bf16, neon_axpy_rows_n_bf16,
 };
 
 /* ---- CPU features ---- */

@@ -168,6 +168,38 @@ static void scalar_dot_rows_t(float *y, int ldy, const float *qt, int ldq, int n
     }
 }
 
+/* The bf16-row forms: the fp32 forms' arithmetic on rows widened one
+ * element at a time (exactly), so the same bits as on widened rows. */
+static void scalar_dot_rows_t_bf16(float *y, int ldy, const float *qt, int ldq, int nl, const uint16_t *x, int ldx,
+                                   int m, int n) {
+    float acc[64];
+    for (int l0 = 0; l0 < nl; l0 += 64) {
+        int nw = nl - l0 < 64 ? nl - l0 : 64;
+        for (int j = 0; j < m; j++) {
+            const uint16_t *xr = x + (size_t)j * ldx;
+            for (int l = 0; l < nw; l++) acc[l] = 0;
+            for (int c = 0; c < n; c++) {
+                const float a = gl_bf16_to_f32(xr[c]), *q = qt + (size_t)c * ldq + l0;
+                for (int l = 0; l < nw; l++) acc[l] += a * q[l];
+            }
+            for (int l = 0; l < nw; l++) y[(size_t)(l0 + l) * ldy + j] = acc[l];
+        }
+    }
+}
+
+static void scalar_axpy_rows_n_bf16(float *y, int ldy, const uint16_t *x, int ldx, const float *a, int lda, int nh,
+                                    int m, int n) {
+    for (int h = 0; h < nh; h++) {
+        float *yh = y + (size_t)h * ldy;
+        const float *ah = a + (size_t)h * lda;
+        for (int c = 0; c < n; c++) {
+            float acc = yh[c];
+            for (int j = 0; j < m; j++) acc += ah[j] * gl_bf16_to_f32(x[(size_t)j * ldx + c]);
+            yh[c] = acc;
+        }
+    }
+}
+
 /* Weight rows converted to fp32 a slab of columns at a time and dotted with
  * up to 16 x rows, so a row of any width needs only stack scratch.  The lane
  * of column c is c % GL_LANES, as in scalar_dot, and the accumulators carry
@@ -226,7 +258,8 @@ static void scalar_quantize_q8(const float *x, int n, int cols, int ldx, int8_t 
 
 static const gl_kernels gl_scalar_kernels = {
     "scalar", scalar_matmul, scalar_matmul_q8, scalar_quantize_q8, scalar_dot, scalar_axpy, scalar_axpy_rows,
-    scalar_axpy_rows_n, scalar_exp_sum, scalar_silu_mul, scalar_dot_rows_t,
+    scalar_axpy_rows_n, scalar_exp_sum, scalar_silu_mul, scalar_dot_rows_t, scalar_dot_rows_t_bf16,
+    scalar_axpy_rows_n_bf16,
 };
 
 const gl_kernels *gl_kernels_scalar(void) { return &gl_scalar_kernels; }

@@ -148,6 +148,13 @@ typedef struct gl_kernels {
        attention core's scores: a block of latent rows against every head's
        query, each key element broadcast to 16 heads at once. */
     void  (*dot_rows_t)(float *y, int ldy, const float *qt, int ldq, int nl, const float *x, int ldx, int m, int n);
+    /* dot_rows_t and axpy_rows_n over rows of bf16 values (ldx in
+       elements), read as they are: the same bits as the fp32 forms on the
+       rows widened to fp32, at half the bytes.  A bf16 latent cache. */
+    void  (*dot_rows_t_bf16)(float *y, int ldy, const float *qt, int ldq, int nl, const uint16_t *x, int ldx, int m,
+                             int n);
+    void  (*axpy_rows_n_bf16)(float *y, int ldy, const uint16_t *x, int ldx, const float *a, int lda, int nh, int m,
+                              int n);
 } gl_kernels;
 
 /* The best kernel set for this CPU (cpuid / hwcap probed once, then cached). */

@@ -414,6 +414,67 @@ static GL_AVX2 void avx2_axpy_rows_n(float *y, int ldy, const float *x, int ldx,
     for (; h < nh; h++) avx2_axpy_rows(y + (size_t)h * ldy, x, ldx, a + (size_t)h * lda, m, n);
 }
 
+/* axpy_rows_n over bf16 rows (as a512_axpy_rows_n_bf16): avx2_axpy_rows_n's
+ * FMAs on rows widened in registers, so its bits at half the bytes. */
+GL_AVX2_INLINE __m256 avx2_bf16x8(const uint16_t *p) {
+    return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
+}
+
+GL_AVX2_INLINE void avx2_axpy_rows_bf16(float *y, const uint16_t *x, int ldx, const float *a, int m, int n) {
+    int c = 0;
+    for (; c + 8 <= n; c += 8) {
+        __m256 y0 = _mm256_loadu_ps(y + c);
+        for (int j = 0; j < m; j++) y0 = _mm256_fmadd_ps(_mm256_set1_ps(a[j]), avx2_bf16x8(x + (size_t)j * ldx + c), y0);
+        _mm256_storeu_ps(y + c, y0);
+    }
+    if (c < n) {   /* the tail widened through the stack (no 16-bit masked loads) */
+        __m256i mask = avx2_tail_mask(n - c);
+        __m256 y0 = _mm256_maskload_ps(y + c, mask);
+        for (int j = 0; j < m; j++) {
+            float t[8] = {0};
+            for (int i = 0; i < n - c; i++) t[i] = gl_bf16_to_f32(x[(size_t)j * ldx + c + i]);
+            y0 = _mm256_fmadd_ps(_mm256_set1_ps(a[j]), _mm256_loadu_ps(t), y0);
+        }
+        _mm256_maskstore_ps(y + c, mask, y0);
+    }
+}
+
+static GL_AVX2 void avx2_axpy_rows_n_bf16(float *y, int ldy, const uint16_t *x, int ldx, const float *a, int lda,
+                                          int nh, int m, int n) {
+    int h = 0;
+    for (; h + 4 <= nh; h += 4) {
+        float *y0 = y + (size_t)h * ldy, *y1 = y0 + ldy, *y2 = y1 + ldy, *y3 = y2 + ldy;
+        const float *a0 = a + (size_t)h * lda, *a1 = a0 + lda, *a2 = a1 + lda, *a3 = a2 + lda;
+        int c = 0;
+        for (; c + 16 <= n; c += 16) {
+            __m256 s00 = _mm256_loadu_ps(y0 + c), s01 = _mm256_loadu_ps(y0 + c + 8);
+            __m256 s10 = _mm256_loadu_ps(y1 + c), s11 = _mm256_loadu_ps(y1 + c + 8);
+            __m256 s20 = _mm256_loadu_ps(y2 + c), s21 = _mm256_loadu_ps(y2 + c + 8);
+            __m256 s30 = _mm256_loadu_ps(y3 + c), s31 = _mm256_loadu_ps(y3 + c + 8);
+            for (int j = 0; j < m; j++) {
+                const uint16_t *xr = x + (size_t)j * ldx + c;
+                const __m256 x0 = avx2_bf16x8(xr), x1 = avx2_bf16x8(xr + 8);
+                __m256 v = _mm256_set1_ps(a0[j]);
+                s00 = _mm256_fmadd_ps(v, x0, s00); s01 = _mm256_fmadd_ps(v, x1, s01);
+                v = _mm256_set1_ps(a1[j]);
+                s10 = _mm256_fmadd_ps(v, x0, s10); s11 = _mm256_fmadd_ps(v, x1, s11);
+                v = _mm256_set1_ps(a2[j]);
+                s20 = _mm256_fmadd_ps(v, x0, s20); s21 = _mm256_fmadd_ps(v, x1, s21);
+                v = _mm256_set1_ps(a3[j]);
+                s30 = _mm256_fmadd_ps(v, x0, s30); s31 = _mm256_fmadd_ps(v, x1, s31);
+            }
+            _mm256_storeu_ps(y0 + c, s00); _mm256_storeu_ps(y0 + c + 8, s01);
+            _mm256_storeu_ps(y1 + c, s10); _mm256_storeu_ps(y1 + c + 8, s11);
+            _mm256_storeu_ps(y2 + c, s20); _mm256_storeu_ps(y2 + c + 8, s21);
+            _mm256_storeu_ps(y3 + c, s30); _mm256_storeu_ps(y3 + c + 8, s31);
+        }
+        if (c < n)
+            for (int k = 0; k < 4; k++)
+                avx2_axpy_rows_bf16(y + (size_t)(h + k) * ldy + c, x + c, ldx, a + (size_t)(h + k) * lda, m, n - c);
+    }
+    for (; h < nh; h++) avx2_axpy_rows_bf16(y + (size_t)h * ldy, x, ldx, a + (size_t)h * lda, m, n);
+}
+
 /* e^x on 8 lanes (GL_EXP_* in ggml_like.c says how). */
 GL_AVX2_INLINE __m256 avx2_exp(__m256 x) {
     const __m256 under = _mm256_cmp_ps(x, _mm256_set1_ps(GL_EXP_LO), _CMP_LT_OQ);
@@ -505,6 +566,72 @@ GL_AVX2_INLINE void avx2_dot1_row(const float *qt, size_t ldq, __m256i mk, const
     for (int l = 0; l < nl; l++) y[(size_t)l * ldy] = t[l];
 }
 
+/* dot_rows_t over bf16 rows (as a512_dot_rows_t_bf16): a pair of elements
+ * broadcast as one 32-bit value, element c by a shift and c + 1 by a mask. */
+GL_AVX2_INLINE __m256i avx2_pair(const char *p) {
+    int32_t d;
+    memcpy(&d, p, 4);
+    return _mm256_set1_epi32(d);
+}
+#define AVX2_LO(d) _mm256_castsi256_ps(_mm256_slli_epi32((d), 16))
+#define AVX2_HI(d) _mm256_castsi256_ps(_mm256_and_si256((d), _mm256_set1_epi32((int32_t)0xffff0000u)))
+#define AVX2_ONE(p, o) _mm256_castsi256_ps(_mm256_set1_epi32((int32_t)((uint32_t)*(const uint16_t *)((const char *)(p) + (o)) << 16)))
+#define AVX2_STEP2(a, p, o) do { const __m256i d_ = avx2_pair((const char *)(p) + (o)); \
+        a = _mm256_fmadd_ps(v0, AVX2_LO(d_), a); a = _mm256_fmadd_ps(v1, AVX2_HI(d_), a); } while (0)
+GL_AVX2_INLINE void avx2_dot8_rows_bf16(const float *qt, size_t ldq, __m256i mk, const uint16_t *x, size_t ldx, int n,
+                                        float *y, int ldy, int nl) {
+    const size_t L = ldx * sizeof(uint16_t), L3 = 3 * L;
+    const char *p0 = (const char *)x, *p1 = p0 + 4 * L;
+    __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    const float *q = qt;
+    int c = 0;
+    for (; c + 2 <= n; c += 2, q += 2 * ldq, p0 += 4, p1 += 4) {
+        const __m256 v0 = _mm256_maskload_ps(q, mk), v1 = _mm256_maskload_ps(q + ldq, mk);
+        AVX2_STEP2(a0, p0, 0); AVX2_STEP2(a1, p0, L); AVX2_STEP2(a2, p0, 2 * L); AVX2_STEP2(a3, p0, L3);
+        AVX2_STEP2(a4, p1, 0); AVX2_STEP2(a5, p1, L); AVX2_STEP2(a6, p1, 2 * L); AVX2_STEP2(a7, p1, L3);
+    }
+    if (c < n) {
+        const __m256 v = _mm256_maskload_ps(q, mk);
+        a0 = _mm256_fmadd_ps(v, AVX2_ONE(p0, 0), a0);     a1 = _mm256_fmadd_ps(v, AVX2_ONE(p0, L), a1);
+        a2 = _mm256_fmadd_ps(v, AVX2_ONE(p0, 2 * L), a2); a3 = _mm256_fmadd_ps(v, AVX2_ONE(p0, L3), a3);
+        a4 = _mm256_fmadd_ps(v, AVX2_ONE(p1, 0), a4);     a5 = _mm256_fmadd_ps(v, AVX2_ONE(p1, L), a5);
+        a6 = _mm256_fmadd_ps(v, AVX2_ONE(p1, 2 * L), a6); a7 = _mm256_fmadd_ps(v, AVX2_ONE(p1, L3), a7);
+    }
+    float t[8][8];
+    _mm256_storeu_ps(t[0], a0); _mm256_storeu_ps(t[1], a1); _mm256_storeu_ps(t[2], a2); _mm256_storeu_ps(t[3], a3);
+    _mm256_storeu_ps(t[4], a4); _mm256_storeu_ps(t[5], a5); _mm256_storeu_ps(t[6], a6); _mm256_storeu_ps(t[7], a7);
+    for (int l = 0; l < nl; l++)
+        for (int j = 0; j < 8; j++) y[(size_t)l * ldy + j] = t[j][l];
+}
+
+GL_AVX2_INLINE void avx2_dot1_row_bf16(const float *qt, size_t ldq, __m256i mk, const uint16_t *x, int n, float *y,
+                                       int ldy, int nl) {
+    __m256 a0 = _mm256_setzero_ps();
+    const float *q = qt;
+    for (int c = 0; c < n; c++, q += ldq) a0 = _mm256_fmadd_ps(_mm256_maskload_ps(q, mk), AVX2_ONE(x + c, 0), a0);
+    float t[8];
+    _mm256_storeu_ps(t, a0);
+    for (int l = 0; l < nl; l++) y[(size_t)l * ldy] = t[l];
+}
+#undef AVX2_STEP2
+#undef AVX2_ONE
+#undef AVX2_HI
+#undef AVX2_LO
+
+static GL_AVX2 void avx2_dot_rows_t_bf16(float *y, int ldy, const float *qt, int ldq, int nl, const uint16_t *x,
+                                         int ldx, int m, int n) {
+    for (int l0 = 0; l0 < nl; l0 += 8) {
+        const int nw = nl - l0 < 8 ? nl - l0 : 8;
+        const __m256i mk = _mm256_cmpgt_epi32(_mm256_set1_epi32(nw), _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+        const float *q = qt + l0;
+        float *yl = y + (size_t)l0 * ldy;
+        int j = 0;
+        for (; j + 8 <= m; j += 8)
+            avx2_dot8_rows_bf16(q, (size_t)ldq, mk, x + (size_t)j * ldx, (size_t)ldx, n, yl + j, ldy, nw);
+        for (; j < m; j++) avx2_dot1_row_bf16(q, (size_t)ldq, mk, x + (size_t)j * ldx, n, yl + j, ldy, nw);
+    }
+}
+
 static GL_AVX2 void avx2_dot_rows_t(float *y, int ldy, const float *qt, int ldq, int nl, const float *x, int ldx, int m,
                                     int n) {
     for (int l0 = 0; l0 < nl; l0 += 8) {
@@ -520,17 +647,17 @@ static GL_AVX2 void avx2_dot_rows_t(float *y, int ldy, const float *qt, int ldq,
 
 static const gl_kernels gl_avx2_kernels = {
     "avx2", avx2_matmul, avx2_matmul_q8, avx2_quantize_q8, avx2_dot, avx2_axpy, avx2_axpy_rows, avx2_axpy_rows_n,
-    avx2_exp_sum, avx2_silu_mul, avx2_dot_rows_t,
+    avx2_exp_sum, avx2_silu_mul, avx2_dot_rows_t, avx2_dot_rows_t_bf16, avx2_axpy_rows_n_bf16,
 };
 
 /* The VNNI sets differ from AVX2 only in the W8A8 matmul. */
 static const gl_kernels gl_avx_vnni_kernels = {
     "avx_vnni", avx2_matmul, vnni_matmul_q8, avx2_quantize_q8, avx2_dot, avx2_axpy, avx2_axpy_rows, avx2_axpy_rows_n,
-    avx2_exp_sum, avx2_silu_mul, avx2_dot_rows_t,
+    avx2_exp_sum, avx2_silu_mul, avx2_dot_rows_t, avx2_dot_rows_t_bf16, avx2_axpy_rows_n_bf16,
 };
 static const gl_kernels gl_avx512_vnni_kernels = {
     "avx512_vnni", avx512_matmul, evex_matmul_q8, avx2_quantize_q8, avx2_dot, avx2_axpy, avx2_axpy_rows, avx2_axpy_rows_n,
-    avx2_exp_sum, avx2_silu_mul, avx2_dot_rows_t,
+    avx2_exp_sum, avx2_silu_mul, avx2_dot_rows_t, avx2_dot_rows_t_bf16, avx2_axpy_rows_n_bf16,
 };
 
 /* bf16 (shifted into the top half) or f16 (F16C) to fp32, 8 at a time;

@@ -754,6 +754,60 @@ static GL_A512 void a512_axpy_rows_n(float *y, int ldy, const float *x, int ldx,
     for (; h < nh; h++) a512_axpy_rows(y + (size_t)h * ldy, x, ldx, a + (size_t)h * lda, m, n);
 }
 
+/* axpy_rows_n over bf16 rows: a512_axpy_rows_n's FMAs, op for op, on rows
+ * widened in registers (a bf16 value is the top half of its fp32), so the
+ * bits are those of a512_axpy_rows_n on the widened rows -- at half the
+ * bytes read.  A bf16 latent cache's weighted sums. */
+GL_A512_INLINE __m512 a512_bf16x16(const uint16_t *p, __mmask16 k) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p)), 16));
+}
+
+GL_A512_INLINE void a512_axpy_rows_bf16(float *y, const uint16_t *x, int ldx, const float *a, int m, int n) {
+    for (int c = 0; c < n; c += 16) {
+        __mmask16 k = n - c >= 16 ? (__mmask16)0xffff : a512_mask16(n - c);
+        __m512 y0 = _mm512_maskz_loadu_ps(k, y + c);
+        for (int j = 0; j < m; j++) y0 = _mm512_fmadd_ps(_mm512_set1_ps(a[j]), a512_bf16x16(x + (size_t)j * ldx + c, k), y0);
+        _mm512_mask_storeu_ps(y + c, k, y0);
+    }
+}
+
+static GL_A512 void a512_axpy_rows_n_bf16(float *y, int ldy, const uint16_t *x, int ldx, const float *a, int lda,
+                                          int nh, int m, int n) {
+    const __mmask16 all = 0xffff;
+    int h = 0;
+    for (; h + 4 <= nh; h += 4) {
+        float *y0 = y + (size_t)h * ldy, *y1 = y0 + ldy, *y2 = y1 + ldy, *y3 = y2 + ldy;
+        const float *a0 = a + (size_t)h * lda, *a1 = a0 + lda, *a2 = a1 + lda, *a3 = a2 + lda;
+        int c = 0;
+        for (; c + 32 <= n; c += 32) {
+            __m512 s00 = _mm512_loadu_ps(y0 + c), s01 = _mm512_loadu_ps(y0 + c + 16);
+            __m512 s10 = _mm512_loadu_ps(y1 + c), s11 = _mm512_loadu_ps(y1 + c + 16);
+            __m512 s20 = _mm512_loadu_ps(y2 + c), s21 = _mm512_loadu_ps(y2 + c + 16);
+            __m512 s30 = _mm512_loadu_ps(y3 + c), s31 = _mm512_loadu_ps(y3 + c + 16);
+            for (int j = 0; j < m; j++) {
+                const uint16_t *xr = x + (size_t)j * ldx + c;
+                const __m512 x0 = a512_bf16x16(xr, all), x1 = a512_bf16x16(xr + 16, all);
+                __m512 v = _mm512_set1_ps(a0[j]);
+                s00 = _mm512_fmadd_ps(v, x0, s00); s01 = _mm512_fmadd_ps(v, x1, s01);
+                v = _mm512_set1_ps(a1[j]);
+                s10 = _mm512_fmadd_ps(v, x0, s10); s11 = _mm512_fmadd_ps(v, x1, s11);
+                v = _mm512_set1_ps(a2[j]);
+                s20 = _mm512_fmadd_ps(v, x0, s20); s21 = _mm512_fmadd_ps(v, x1, s21);
+                v = _mm512_set1_ps(a3[j]);
+                s30 = _mm512_fmadd_ps(v, x0, s30); s31 = _mm512_fmadd_ps(v, x1, s31);
+            }
+            _mm512_storeu_ps(y0 + c, s00); _mm512_storeu_ps(y0 + c + 16, s01);
+            _mm512_storeu_ps(y1 + c, s10); _mm512_storeu_ps(y1 + c + 16, s11);
+            _mm512_storeu_ps(y2 + c, s20); _mm512_storeu_ps(y2 + c + 16, s21);
+            _mm512_storeu_ps(y3 + c, s30); _mm512_storeu_ps(y3 + c + 16, s31);
+        }
+        if (c < n)
+            for (int k = 0; k < 4; k++)
+                a512_axpy_rows_bf16(y + (size_t)(h + k) * ldy + c, x + c, ldx, a + (size_t)(h + k) * lda, m, n - c);
+    }
+    for (; h < nh; h++) a512_axpy_rows_bf16(y + (size_t)h * ldy, x, ldx, a + (size_t)h * lda, m, n);
+}
+
 /* e^x on 16 lanes: avx2_exp's steps, op for op (so each value has the same
  * bits as in the AVX2 set). */
 GL_A512_INLINE __m512 a512_exp(__m512 x) {
@@ -864,6 +918,112 @@ GL_A512_INLINE void a512_dot1_row(const float *qt, size_t ldq, __mmask16 mk, con
 }
 #undef A512_BC
 
+/* dot_rows_t over bf16 rows, with the same FMAs in the same order as on
+ * the widened rows (so the same bits), reading half the bytes.  Two
+ * elements at a time: one 32-bit broadcast of the pair gives element c by
+ * a shift and element c + 1 by a mask (a bf16 value is the top half of its
+ * fp32), each an instruction with the broadcast folded in. */
+GL_A512_INLINE __m512i a512_pair(const char *p) {
+    int32_t d;
+    memcpy(&d, p, 4);                   /* rows are 2-byte aligned */
+    return _mm512_set1_epi32(d);
+}
+#define A512_PAIR(p, o) a512_pair((const char *)(p) + (o))
+#define A512_LO(d) _mm512_castsi512_ps(_mm512_slli_epi32((d), 16))
+#define A512_HI(d) _mm512_castsi512_ps(_mm512_and_si512((d), _mm512_set1_epi32((int32_t)0xffff0000u)))
+#define A512_ONE(p, o) _mm512_castsi512_ps(_mm512_set1_epi32((int32_t)((uint32_t)*(const uint16_t *)((const char *)(p) + (o)) << 16)))
+#define A512_STEP2(a, p, o) do { const __m512i d_ = A512_PAIR(p, o); \
+        a = _mm512_fmadd_ps(v0, A512_LO(d_), a); a = _mm512_fmadd_ps(v1, A512_HI(d_), a); } while (0)
+GL_A512_INLINE void a512_dot16_rows_bf16(const float *qt, size_t ldq, __mmask16 mk, const uint16_t *x, size_t ldx,
+                                         int n, float *y, int ldy, int nl) {
+    const size_t L = ldx * sizeof(uint16_t), L3 = 3 * L;
+    const char *p0 = (const char *)x, *p1 = p0 + 4 * L, *p2 = p1 + 4 * L, *p3 = p2 + 4 * L;
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
+    __m512 a8 = a0, a9 = a0, a10 = a0, a11 = a0, a12 = a0, a13 = a0, a14 = a0, a15 = a0;
+    const float *q = qt;
+    int c = 0;
+    for (; c + 2 <= n; c += 2, q += 2 * ldq, p0 += 4, p1 += 4, p2 += 4, p3 += 4) {
+        const __m512 v0 = _mm512_maskz_loadu_ps(mk, q), v1 = _mm512_maskz_loadu_ps(mk, q + ldq);
+        A512_STEP2(a0, p0, 0);  A512_STEP2(a1, p0, L);  A512_STEP2(a2, p0, 2 * L);  A512_STEP2(a3, p0, L3);
+        A512_STEP2(a4, p1, 0);  A512_STEP2(a5, p1, L);  A512_STEP2(a6, p1, 2 * L);  A512_STEP2(a7, p1, L3);
+        A512_STEP2(a8, p2, 0);  A512_STEP2(a9, p2, L);  A512_STEP2(a10, p2, 2 * L); A512_STEP2(a11, p2, L3);
+        A512_STEP2(a12, p3, 0); A512_STEP2(a13, p3, L); A512_STEP2(a14, p3, 2 * L); A512_STEP2(a15, p3, L3);
+    }
+    if (c < n) {   /* an odd last element, alone (the pair would read past the row) */
+        const __m512 v = _mm512_maskz_loadu_ps(mk, q);
+        a0 = _mm512_fmadd_ps(v, A512_ONE(p0, 0), a0);      a1 = _mm512_fmadd_ps(v, A512_ONE(p0, L), a1);
+        a2 = _mm512_fmadd_ps(v, A512_ONE(p0, 2 * L), a2);  a3 = _mm512_fmadd_ps(v, A512_ONE(p0, L3), a3);
+        a4 = _mm512_fmadd_ps(v, A512_ONE(p1, 0), a4);      a5 = _mm512_fmadd_ps(v, A512_ONE(p1, L), a5);
+        a6 = _mm512_fmadd_ps(v, A512_ONE(p1, 2 * L), a6);  a7 = _mm512_fmadd_ps(v, A512_ONE(p1, L3), a7);
+        a8 = _mm512_fmadd_ps(v, A512_ONE(p2, 0), a8);      a9 = _mm512_fmadd_ps(v, A512_ONE(p2, L), a9);
+        a10 = _mm512_fmadd_ps(v, A512_ONE(p2, 2 * L), a10); a11 = _mm512_fmadd_ps(v, A512_ONE(p2, L3), a11);
+        a12 = _mm512_fmadd_ps(v, A512_ONE(p3, 0), a12);    a13 = _mm512_fmadd_ps(v, A512_ONE(p3, L), a13);
+        a14 = _mm512_fmadd_ps(v, A512_ONE(p3, 2 * L), a14); a15 = _mm512_fmadd_ps(v, A512_ONE(p3, L3), a15);
+    }
+    float t[16][16];
+    _mm512_storeu_ps(t[0], a0);   _mm512_storeu_ps(t[1], a1);   _mm512_storeu_ps(t[2], a2);   _mm512_storeu_ps(t[3], a3);
+    _mm512_storeu_ps(t[4], a4);   _mm512_storeu_ps(t[5], a5);   _mm512_storeu_ps(t[6], a6);   _mm512_storeu_ps(t[7], a7);
+    _mm512_storeu_ps(t[8], a8);   _mm512_storeu_ps(t[9], a9);   _mm512_storeu_ps(t[10], a10); _mm512_storeu_ps(t[11], a11);
+    _mm512_storeu_ps(t[12], a12); _mm512_storeu_ps(t[13], a13); _mm512_storeu_ps(t[14], a14); _mm512_storeu_ps(t[15], a15);
+    for (int l = 0; l < nl; l++)
+        for (int j = 0; j < 16; j++) y[(size_t)l * ldy + j] = t[j][l];
+}
+
+/* The last m % 16 rows: four, then one at a time. */
+GL_A512_INLINE void a512_dot4_rows_bf16(const float *qt, size_t ldq, __mmask16 mk, const uint16_t *x, size_t ldx,
+                                        int n, float *y, int ldy, int nl) {
+    const size_t L = ldx * sizeof(uint16_t);
+    const char *p = (const char *)x;
+    __m512 a0 = _mm512_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
+    const float *q = qt;
+    int c = 0;
+    for (; c + 2 <= n; c += 2, q += 2 * ldq, p += 4) {
+        const __m512 v0 = _mm512_maskz_loadu_ps(mk, q), v1 = _mm512_maskz_loadu_ps(mk, q + ldq);
+        A512_STEP2(a0, p, 0); A512_STEP2(a1, p, L); A512_STEP2(a2, p, 2 * L); A512_STEP2(a3, p, 3 * L);
+    }
+    if (c < n) {
+        const __m512 v = _mm512_maskz_loadu_ps(mk, q);
+        a0 = _mm512_fmadd_ps(v, A512_ONE(p, 0), a0);     a1 = _mm512_fmadd_ps(v, A512_ONE(p, L), a1);
+        a2 = _mm512_fmadd_ps(v, A512_ONE(p, 2 * L), a2); a3 = _mm512_fmadd_ps(v, A512_ONE(p, 3 * L), a3);
+    }
+    float t[4][16];
+    _mm512_storeu_ps(t[0], a0); _mm512_storeu_ps(t[1], a1); _mm512_storeu_ps(t[2], a2); _mm512_storeu_ps(t[3], a3);
+    for (int l = 0; l < nl; l++)
+        for (int j = 0; j < 4; j++) y[(size_t)l * ldy + j] = t[j][l];
+}
+
+GL_A512_INLINE void a512_dot1_row_bf16(const float *qt, size_t ldq, __mmask16 mk, const uint16_t *x, int n, float *y,
+                                       int ldy, int nl) {
+    __m512 a0 = _mm512_setzero_ps();
+    const float *q = qt;
+    for (int c = 0; c < n; c++, q += ldq)
+        a0 = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(mk, q), A512_ONE(x + c, 0), a0);
+    float t[16];
+    _mm512_storeu_ps(t, a0);
+    for (int l = 0; l < nl; l++) y[(size_t)l * ldy] = t[l];
+}
+#undef A512_STEP2
+#undef A512_ONE
+#undef A512_HI
+#undef A512_LO
+#undef A512_PAIR
+
+static GL_A512 void a512_dot_rows_t_bf16(float *y, int ldy, const float *qt, int ldq, int nl, const uint16_t *x,
+                                         int ldx, int m, int n) {
+    for (int l0 = 0; l0 < nl; l0 += 16) {
+        const int nw = nl - l0 < 16 ? nl - l0 : 16;
+        const __mmask16 mk = nw == 16 ? (__mmask16)0xffff : a512_mask16(nw);
+        const float *q = qt + l0;
+        float *yl = y + (size_t)l0 * ldy;
+        int j = 0;
+        for (; j + 16 <= m; j += 16)
+            a512_dot16_rows_bf16(q, (size_t)ldq, mk, x + (size_t)j * ldx, (size_t)ldx, n, yl + j, ldy, nw);
+        for (; j + 4 <= m; j += 4)
+            a512_dot4_rows_bf16(q, (size_t)ldq, mk, x + (size_t)j * ldx, (size_t)ldx, n, yl + j, ldy, nw);
+        for (; j < m; j++) a512_dot1_row_bf16(q, (size_t)ldq, mk, x + (size_t)j * ldx, n, yl + j, ldy, nw);
+    }
+}
+
 static GL_A512 void a512_dot_rows_t(float *y, int ldy, const float *qt, int ldq, int nl, const float *x, int ldx, int m,
                                     int n) {
     for (int l0 = 0; l0 < nl; l0 += 16) {
@@ -880,7 +1040,7 @@ static GL_A512 void a512_dot_rows_t(float *y, int ldy, const float *qt, int ldq,
 
 static const gl_kernels gl_avx512_kernels = {
     "avx512", a512_matmul, a512_matmul_q8, a512_quantize_q8, a512_dot, a512_axpy, a512_axpy_rows, a512_axpy_rows_n,
-    a512_exp_sum, a512_silu_mul, a512_dot_rows_t,
+    a512_exp_sum, a512_silu_mul, a512_dot_rows_t, a512_dot_rows_t_bf16, a512_axpy_rows_n_bf16,
 };
 
 /* ---- opt-in: native BF16 dot products (AVX512_BF16) ----
@@ -992,5 +1152,5 @@ static void a512bf_matmul(const gl_mat *w, const float *x, int n, int ldx, float
 
 static const gl_kernels gl_avx512_bf16_kernels = {
     "avx512_bf16", a512bf_matmul, a512_matmul_q8, a512_quantize_q8, a512_dot, a512_axpy, a512_axpy_rows,
-    a512_axpy_rows_n, a512_exp_sum, a512_silu_mul, a512_dot_rows_t,
+    a512_axpy_rows_n, a512_exp_sum, a512_silu_mul, a512_dot_rows_t, a512_dot_rows_t_bf16, a512_axpy_rows_n_bf16,
 };

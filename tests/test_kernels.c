@@ -395,6 +395,54 @@ static void test_dot_rows_t(const gl_kernels *k) {
     free(x); free(qt); free(y);
 }
 
+/* The bf16-row forms of dot_rows_t and axpy_rows_n: the same bits as the
+ * set's fp32 forms on the rows widened to fp32, on odd widths (a last
+ * element without a pair), every row count and lane count the core uses,
+ * head counts with and without a remainder of 4.  The rows are allocated
+ * to end exactly where the last one does, so a read past it is caught
+ * under ASan; the outputs' gaps are left untouched. */
+static void test_bf16_rows(const gl_kernels *k) {
+    check(k->dot_rows_t_bf16 && k->axpy_rows_n_bf16, "%s: has no bf16-row kernels", k->name);
+    if (!k->dot_rows_t_bf16 || !k->axpy_rows_n_bf16) return;
+    static const int ns[] = {1, 2, 19, 33, 512, 576}, ms[] = {1, 3, 5, 16, 17, 23, 33}, nls[] = {1, 5, 16, 17, 40};
+    for (size_t ni = 0; ni < sizeof ns / sizeof *ns; ni++)
+        for (size_t mi = 0; mi < sizeof ms / sizeof *ms; mi++) {
+            int n = ns[ni], m = ms[mi], ldx = n + 3;
+            size_t nx = (size_t)(m - 1) * ldx + n;
+            uint16_t *xh = xmalloc(nx * sizeof(uint16_t));
+            float *xf = xmalloc(nx * sizeof(float));
+            for (size_t i = 0; i < nx; i++) {
+                xh[i] = gl_f32_to_bf16(rng_unif() * (i % 7 == 0 ? 1e-3f : 3.0f));
+                if (i % 29 == 5) xh[i] = 0x8000;               /* -0 */
+                xf[i] = gl_bf16_to_f32(xh[i]);
+            }
+            for (size_t li = 0; li < sizeof nls / sizeof *nls; li++) {
+                int nl = nls[li], ldq = nl + 2, ldy = m + 4;
+                float *qt = xmalloc((size_t)n * ldq * sizeof(float));
+                float *y1 = xmalloc((size_t)nl * ldy * sizeof(float)), *y2 = xmalloc((size_t)nl * ldy * sizeof(float));
+                for (int i = 0; i < n * ldq; i++) qt[i] = rng_unif();
+                for (int i = 0; i < nl * ldy; i++) y1[i] = y2[i] = -7.0f;
+                k->dot_rows_t(y1, ldy, qt, ldq, nl, xf, ldx, m, n);
+                k->dot_rows_t_bf16(y2, ldy, qt, ldq, nl, xh, ldx, m, n);
+                check(!memcmp(y1, y2, (size_t)nl * ldy * sizeof(float)),
+                      "%s: dot_rows_t_bf16 n=%d m=%d lanes=%d differs from dot_rows_t on the widened rows", k->name, n, m, nl);
+                /* nl heads of weighted sums over the same rows, weights [h][lda] */
+                int lda = m + 1, ldh = n + 5;
+                float *a = xmalloc((size_t)nl * lda * sizeof(float));
+                float *s1 = xmalloc((size_t)nl * ldh * sizeof(float)), *s2 = xmalloc((size_t)nl * ldh * sizeof(float));
+                for (int i = 0; i < nl * lda; i++) a[i] = rng_unif();
+                for (int i = 0; i < nl * ldh; i++) s1[i] = s2[i] = rng_unif();
+                k->axpy_rows_n(s1, ldh, xf, ldx, a, lda, nl, m, n);
+                k->axpy_rows_n_bf16(s2, ldh, xh, ldx, a, lda, nl, m, n);
+                check(!memcmp(s1, s2, (size_t)nl * ldh * sizeof(float)),
+                      "%s: axpy_rows_n_bf16 n=%d m=%d heads=%d differs from axpy_rows_n on the widened rows", k->name, n, m, nl);
+                free(a); free(s1); free(s2);
+                free(qt); free(y1); free(y2);
+            }
+            free(xh); free(xf);
+        }
+}
+
 /* exp_sum and silu_mul against the scalar set (expf): within a few ulp per
  * element, on odd lengths (the vector tails), wide ranges, and the inputs
  * at the edges of the exponential: far below its range (0), above it (no
@@ -996,6 +1044,7 @@ int main(int argc, char **argv) {
         test_dot_axpy(sets[s]);
         test_axpy_rows(sets[s]);
         test_dot_rows_t(sets[s]);
+        test_bf16_rows(sets[s]);
         test_exp_silu(sets[s]);
         test_matmul_vs_scalar(sets[s]);
         test_q8_extremes(sets[s]);
@@ -1011,6 +1060,7 @@ int main(int argc, char **argv) {
             test_bf16_native(bf);
             test_q8_extremes(bf);
             test_dot_rows_t(bf);
+            test_bf16_rows(bf);
             test_invariance(bf, pool2, pool4);
         }
 #if defined(GL_HAVE_AVX2)
