@@ -5812,8 +5812,6 @@ typedef struct fwd_scratch {
     float  *scores;            /* [workers][CORE_TILE][H][core_chunk]             */
     float  *qt;                /* [workers][kv_lora+rope][CORE_TILE*H] a tile's
                                   absorbed queries transposed (core_queries)      */
-    float  *kv_f32;            /* [workers][core_chunk][kv_lora+rope] a bf16 cache's
-                                  chunk widened (core_rows); NULL with fp32       */
     float  *run_ml;            /* [workers][2][CORE_TILE][H][2] running max and sum:
                                   the lane being run, and the lanes folded so far */
     float  *lane_lat;          /* [workers][CORE_TILE][H][kv_lora] a lane's latents */
@@ -5862,7 +5860,7 @@ static void *carve(carver *c, size_t bytes) {
     return c->base ? c->base + at : NULL;
 }
 
-static void scratch_carve(carver *c, fwd_scratch *s, const hparams *hp, int cap, int block, int kv_bf16, int workers,
+static void scratch_carve(carver *c, fwd_scratch *s, const hparams *hp, int cap, int block, int workers,
                           int n_entries, int n_jobs) {
     size_t C = (size_t)cap, H = (size_t)hp->n_heads, K = (size_t)(hp->top_k > 0 ? hp->top_k : 1);
     size_t D = (size_t)hp->dim, lat = (size_t)hp->kv_lora + hp->qk_rope;
@@ -5885,7 +5883,6 @@ static void scratch_carve(carver *c, fwd_scratch *s, const hparams *hp, int cap,
     s->core_chunk = (CORE_KEYS + block - 1) / block * block;
     s->scores = F((size_t)workers * H * CORE_TILE * (size_t)s->core_chunk);
     s->qt = F((size_t)workers * CORE_TILE * H * lat);
-    s->kv_f32 = kv_bf16 ? F((size_t)workers * s->core_chunk * lat) : NULL;
     s->run_ml = F((size_t)workers * 2 * H * CORE_TILE * 2);
     s->lane_lat = F((size_t)workers * CORE_TILE * H * hp->kv_lora);
     s->split_ml = F((size_t)CORE_SPLIT_TILES * CORE_TILE * H * CORE_LANES * 2);
@@ -6442,25 +6439,6 @@ static void core_queries(op *o, int tile, int h0, int h1, int worker) {
             for (int h = h0; h < h1; h++) *dst++ = src[((size_t)q * H + h) * lat_w + c];
 }
 
-/* With a bf16 cache: the worker's fp32 copy of the chunk's key i. */
-static float *core_widened(const op *o, int worker, int i) {
-    const fwd_scratch *s = o->mb->s;
-    return s->kv_f32 + ((size_t)worker * s->core_chunk + (size_t)i) * o->e->kv.row;
-}
-
-/* The nk fp32 rows from key j (slot j + kv_shift) on, all in one KV block:
- * the cache's own, or with a bf16 cache widened (exactly) into the worker's
- * copy of the chunk (core_widened), where the weighted sum finds them. */
-static const float *core_rows(op *o, const int *tab, int j, int c0, int nk, int worker) {
-    struct cm384_engine *e = o->e;
-    const void *rows = kv_row(&e->kv, tab, o->layer, j + o->mb->kv_shift);
-    if (!e->kv.bf16) return rows;
-    float *out = core_widened(o, worker, j - c0);
-    gl_mat m = {GL_BF16, 1, nk * e->kv.row, (void *)rows, NULL};
-    gl_row_to_f32(&m, 0, out);
-    return out;
-}
-
 /* One lane of a tile over heads [h0, h1) (core_queries has laid them out):
  * its unnormalized latents at
  * lat + h * ldh + q * ldq, its M and L at ml + (q * H + h) * 2 (L = 0: the
@@ -6481,6 +6459,7 @@ static void core_lane(op *o, int tile, int h0, int h1, int lane, float *lat, siz
     const float *qt = s->qt + (size_t)worker * CORE_TILE * H * lat_w;
     int nh = h1 - h0, nl = nq * nh;
     float scale = e->m->attn_scale, slack = e->core_slack / scale;
+    int bf16 = e->kv.bf16;       /* a bf16 cache is read as it is, by the kernels' bf16 forms */
 #define SC(h, q) (sc + ((size_t)(q) * H + (h)) * CH)
 #define ML(h, q) (ml_out + ((size_t)(q) * H + (h)) * 2)
 #define LATENT(h, q) (lat + (size_t)(h) * ldh + (size_t)(q) * ldq)
@@ -6500,12 +6479,14 @@ static void core_lane(op *o, int tile, int h0, int h1, int lane, float *lat, siz
         for (int j0 = c0; j0 < c1;) {
             int nk = B - (j0 + sh) % B;
             if (nk > c1 - j0) nk = c1 - j0;
-            const float *rows = core_rows(o, tab, j0, c0, nk, worker);
-            if (nh == H)
-                k->dot_rows_t(SC(0, 0) + (j0 - c0), CH, qt, nl, nl, rows, lat_w, nk, lat_w);
-            else
-                for (int q = 0; q < nq; q++)
-                    k->dot_rows_t(SC(h0, q) + (j0 - c0), CH, qt + (size_t)q * nh, nl, nh, rows, lat_w, nk, lat_w);
+            const void *rows = kv_row(&e->kv, tab, o->layer, j0 + sh);
+            for (int q = 0; q < (nh == H ? 1 : nq); q++) {
+                float *y = nh == H ? SC(0, 0) : SC(h0, q);
+                const float *qq = qt + (size_t)q * nh;
+                int lanes = nh == H ? nl : nh;
+                if (bf16) k->dot_rows_t_bf16(y + (j0 - c0), CH, qq, nl, lanes, rows, lat_w, nk, lat_w);
+                else k->dot_rows_t(y + (j0 - c0), CH, qq, nl, lanes, rows, lat_w, nk, lat_w);
+            }
             j0 += nk;
         }
         for (int q = 0; q < nq; q++) {
@@ -6529,8 +6510,9 @@ static void core_lane(op *o, int tile, int h0, int h1, int lane, float *lat, siz
             for (int j0 = c0; j0 < c0 + m;) {          /* weighted rows, a block's run at a time */
                 int nk = B - (j0 + sh) % B;
                 if (nk > c0 + m - j0) nk = c0 + m - j0;
-                const float *rows = e->kv.bf16 ? core_widened(o, worker, j0 - c0) : kv_row(&e->kv, tab, o->layer, j0 + sh);
-                k->axpy_rows_n(LATENT(h0, q), (int)ldh, rows, lat_w, SC(h0, q) + (j0 - c0), CH, h1 - h0, nk, R);
+                const void *rows = kv_row(&e->kv, tab, o->layer, j0 + sh);
+                if (bf16) k->axpy_rows_n_bf16(LATENT(h0, q), (int)ldh, rows, lat_w, SC(h0, q) + (j0 - c0), CH, h1 - h0, nk, R);
+                else k->axpy_rows_n(LATENT(h0, q), (int)ldh, rows, lat_w, SC(h0, q) + (j0 - c0), CH, h1 - h0, nk, R);
                 j0 += nk;
             }
         }
@@ -10807,7 +10789,7 @@ static void carve_peer(struct cm384_engine *e, peer *P, carver *c, int n_entries
     int V = hp->vocab, cap = P->step_cap, W = e->n_workers + 1;          /* + the prefill loop's thread */
     int max_groups = e->n_dev < cap ? e->n_dev : cap;
     int n_jobs = 3 * max_groups + 2 * n_entries + 8;
-    for (int i = 0; i < 2; i++) scratch_carve(c, &P->s[i], hp, cap, e->kv.block_tokens, e->kv.bf16, W, n_entries, n_jobs);
+    for (int i = 0; i < 2; i++) scratch_carve(c, &P->s[i], hp, cap, e->kv.block_tokens, W, n_entries, n_jobs);
     P->logits = carve(c, (size_t)P->rows_cap * V * sizeof(float));
     P->cands = carve(c, (size_t)W * V * sizeof(cand));
     for (int i = 0; i < 2; i++) {

@@ -449,9 +449,10 @@ typedef struct cm384_config {
                                       twice the context fits the same pool and
                                       context cache; an approximation (its effect
                                       on logits: docs/how-it-works.md, section 10).
-                                      The attention core widens each chunk of keys
-                                      back to fp32 exactly.  0 (default): fp32,
-                                      exact                                          */
+                                      The attention core reads the bf16 keys as
+                                      they are, widened to fp32 exactly in its
+                                      kernels: at long context decode is faster
+                                      (half the bytes).  0 (default): fp32, exact */
 } cm384_config;
 
 CM384_API void cm384_config_init(cm384_config *c);
