@@ -415,13 +415,17 @@ void gl_quantize_weight_q8(const gl_mat *w, int8_t *q, float *scale, int r0, int
  * sleeps.  Each side writes its flag (sleepers / caller_asleep) before it
  * re-reads the other side's word, both seq_cst, so at least one of the two
  * sees the other: no wake-up is lost.  With more threads than CPUs the
- * spinning yields the CPU instead.  Fields polled across threads sit on
- * their own cache lines. */
+ * spinning yields the CPU instead; otherwise a spin that has found nothing
+ * for GL_POOL_YIELD_NS yields at each clock check, so a thread that needs
+ * the CPU it holds (a caller between regions, the embedder's thread taking
+ * its tokens) gets it in ~20 us, not at the end of the spin.  Fields polled
+ * across threads sit on their own cache lines. */
 
 #include <sched.h>
 #include <time.h>
 
 #define GL_POOL_SPIN_NS 200000     /* ~ the gap between two regions of a step, and more */
+#define GL_POOL_YIELD_NS 20000     /* longer than the gaps inside a step of a big model */
 
 static inline void gl_cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -443,6 +447,7 @@ static int gl_spin(int *spins, int64_t *start, int oversubscribed) {
     clock_gettime(CLOCK_MONOTONIC, &ts);
     int64_t t = (int64_t)ts.tv_sec * 1000000000 + ts.tv_nsec;
     if (*start == 0) *start = t;
+    if (t - *start > GL_POOL_YIELD_NS) sched_yield();
     return t - *start < GL_POOL_SPIN_NS;
 #else
     (void)start;
