@@ -318,67 +318,54 @@ static void neon_axpy(float *y, const float *x, float a, int n) {
 }
 
 /* m fused axpys over 16 columns at a time, y held in 4 registers */
-static void neon_axpy_rows(float *y, const float *x, int ldx, const float *a, int m, int n) {
+/* Rows of fp32 or (bf16 = 1) of bf16 values: 4 elements, or one, from
+ * element i (a bf16 value widens exactly, by vshll: the top half of its
+ * fp32).  The axpys read either, with the same FMAs, so the bf16 form gives
+ * the bits of the fp32 one on the widened rows, at half the bytes. */
+GL_NEON_INLINE float32x4_t neon_row4(const void *x, size_t i, int bf16) {
+    return bf16 ? vreinterpretq_f32_u32(vshll_n_u16(vld1_u16((const uint16_t *)x + i), 16)) : vld1q_f32((const float *)x + i);
+}
+
+GL_NEON_INLINE float neon_row1(const void *x, size_t i, int bf16) {
+    return bf16 ? gl_bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
+}
+
+GL_NEON_INLINE void neon_axpy_rows_of(float *y, const void *x, int ldx, const float *a, int m, int n, int bf16) {
     int c = 0;
     for (; c + 16 <= n; c += 16) {
         float32x4_t y0 = vld1q_f32(y + c), y1 = vld1q_f32(y + c + 4), y2 = vld1q_f32(y + c + 8), y3 = vld1q_f32(y + c + 12);
         for (int j = 0; j < m; j++) {
-            const float *xr = x + (size_t)j * ldx + c;
-            y0 = vfmaq_n_f32(y0, vld1q_f32(xr), a[j]);
-            y1 = vfmaq_n_f32(y1, vld1q_f32(xr + 4), a[j]);
-            y2 = vfmaq_n_f32(y2, vld1q_f32(xr + 8), a[j]);
-            y3 = vfmaq_n_f32(y3, vld1q_f32(xr + 12), a[j]);
+            const size_t xr = (size_t)j * ldx + c;
+            y0 = vfmaq_n_f32(y0, neon_row4(x, xr, bf16), a[j]);
+            y1 = vfmaq_n_f32(y1, neon_row4(x, xr + 4, bf16), a[j]);
+            y2 = vfmaq_n_f32(y2, neon_row4(x, xr + 8, bf16), a[j]);
+            y3 = vfmaq_n_f32(y3, neon_row4(x, xr + 12, bf16), a[j]);
         }
         vst1q_f32(y + c, y0); vst1q_f32(y + c + 4, y1); vst1q_f32(y + c + 8, y2); vst1q_f32(y + c + 12, y3);
     }
     for (; c + 4 <= n; c += 4) {
         float32x4_t y0 = vld1q_f32(y + c);
-        for (int j = 0; j < m; j++) y0 = vfmaq_n_f32(y0, vld1q_f32(x + (size_t)j * ldx + c), a[j]);
+        for (int j = 0; j < m; j++) y0 = vfmaq_n_f32(y0, neon_row4(x, (size_t)j * ldx + c, bf16), a[j]);
         vst1q_f32(y + c, y0);
     }
     for (; c < n; c++) {
         float acc = y[c];
-        for (int j = 0; j < m; j++) acc = fmaf(a[j], x[(size_t)j * ldx + c], acc);
+        for (int j = 0; j < m; j++) acc = fmaf(a[j], neon_row1(x, (size_t)j * ldx + c, bf16), acc);
         y[c] = acc;
     }
+}
+
+static void neon_axpy_rows(float *y, const float *x, int ldx, const float *a, int m, int n) {
+    neon_axpy_rows_of(y, x, ldx, a, m, n, 0);
 }
 
 static void neon_axpy_rows_n(float *y, int ldy, const float *x, int ldx, const float *a, int lda, int nh, int m, int n) {
-    for (int h = 0; h < nh; h++) neon_axpy_rows(y + (size_t)h * ldy, x, ldx, a + (size_t)h * lda, m, n);
-}
-
-/* axpy_rows_n over bf16 rows: neon_axpy_rows's FMAs on rows widened in
- * registers (vshll by 16), so its bits at half the bytes. */
-GL_NEON_INLINE float32x4_t neon_bf16x4(const uint16_t *p) { return vreinterpretq_f32_u32(vshll_n_u16(vld1_u16(p), 16)); }
-
-static void neon_axpy_rows_bf16(float *y, const uint16_t *x, int ldx, const float *a, int m, int n) {
-    int c = 0;
-    for (; c + 16 <= n; c += 16) {
-        float32x4_t y0 = vld1q_f32(y + c), y1 = vld1q_f32(y + c + 4), y2 = vld1q_f32(y + c + 8), y3 = vld1q_f32(y + c + 12);
-        for (int j = 0; j < m; j++) {
-            const uint16_t *xr = x + (size_t)j * ldx + c;
-            y0 = vfmaq_n_f32(y0, neon_bf16x4(xr), a[j]);
-            y1 = vfmaq_n_f32(y1, neon_bf16x4(xr + 4), a[j]);
-            y2 = vfmaq_n_f32(y2, neon_bf16x4(xr + 8), a[j]);
-            y3 = vfmaq_n_f32(y3, neon_bf16x4(xr + 12), a[j]);
-        }
-        vst1q_f32(y + c, y0); vst1q_f32(y + c + 4, y1); vst1q_f32(y + c + 8, y2); vst1q_f32(y + c + 12, y3);
-    }
-    for (; c + 4 <= n; c += 4) {
-        float32x4_t y0 = vld1q_f32(y + c);
-        for (int j = 0; j < m; j++) y0 = vfmaq_n_f32(y0, neon_bf16x4(x + (size_t)j * ldx + c), a[j]);
-        vst1q_f32(y + c, y0);
-    }
-    for (; c < n; c++) {
-        float acc = y[c];
-        for (int j = 0; j < m; j++) acc = fmaf(a[j], gl_bf16_to_f32(x[(size_t)j * ldx + c]), acc);
-        y[c] = acc;
-    }
+    for (int h = 0; h < nh; h++) neon_axpy_rows_of(y + (size_t)h * ldy, x, ldx, a + (size_t)h * lda, m, n, 0);
 }
 
 static void neon_axpy_rows_n_bf16(float *y, int ldy, const uint16_t *x, int ldx, const float *a, int lda, int nh, int m,
                                   int n) {
-    for (int h = 0; h < nh; h++) neon_axpy_rows_bf16(y + (size_t)h * ldy, x, ldx, a + (size_t)h * lda, m, n);
+    for (int h = 0; h < nh; h++) neon_axpy_rows_of(y + (size_t)h * ldy, x, ldx, a + (size_t)h * lda, m, n, 1);
 }
 
 /* e^x on 4 lanes (GL_EXP_* in ggml_like.c says how). */

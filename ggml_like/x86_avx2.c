@@ -375,47 +375,8 @@ static GL_AVX2 void avx2_axpy_rows(float *y, const float *x, int ldx, const floa
     }
 }
 
-/* Four outputs at a time over 16 columns: each x vector loaded serves four
- * heads (the rows of a KV block stay in L1 once, not once per head).  Every
- * element is still y = fma(a_j, x_j, y) for j in order, as avx2_axpy_rows. */
-static GL_AVX2 void avx2_axpy_rows_n(float *y, int ldy, const float *x, int ldx, const float *a, int lda,
-                                     int nh, int m, int n) {
-    int h = 0;
-    for (; h + 4 <= nh; h += 4) {
-        float *y0 = y + (size_t)h * ldy, *y1 = y0 + ldy, *y2 = y1 + ldy, *y3 = y2 + ldy;
-        const float *a0 = a + (size_t)h * lda, *a1 = a0 + lda, *a2 = a1 + lda, *a3 = a2 + lda;
-        int c = 0;
-        for (; c + 16 <= n; c += 16) {
-            __m256 s00 = _mm256_loadu_ps(y0 + c), s01 = _mm256_loadu_ps(y0 + c + 8);
-            __m256 s10 = _mm256_loadu_ps(y1 + c), s11 = _mm256_loadu_ps(y1 + c + 8);
-            __m256 s20 = _mm256_loadu_ps(y2 + c), s21 = _mm256_loadu_ps(y2 + c + 8);
-            __m256 s30 = _mm256_loadu_ps(y3 + c), s31 = _mm256_loadu_ps(y3 + c + 8);
-            for (int j = 0; j < m; j++) {
-                const float *xr = x + (size_t)j * ldx + c;
-                const __m256 x0 = _mm256_loadu_ps(xr), x1 = _mm256_loadu_ps(xr + 8);
-                __m256 v = _mm256_set1_ps(a0[j]);
-                s00 = _mm256_fmadd_ps(v, x0, s00); s01 = _mm256_fmadd_ps(v, x1, s01);
-                v = _mm256_set1_ps(a1[j]);
-                s10 = _mm256_fmadd_ps(v, x0, s10); s11 = _mm256_fmadd_ps(v, x1, s11);
-                v = _mm256_set1_ps(a2[j]);
-                s20 = _mm256_fmadd_ps(v, x0, s20); s21 = _mm256_fmadd_ps(v, x1, s21);
-                v = _mm256_set1_ps(a3[j]);
-                s30 = _mm256_fmadd_ps(v, x0, s30); s31 = _mm256_fmadd_ps(v, x1, s31);
-            }
-            _mm256_storeu_ps(y0 + c, s00); _mm256_storeu_ps(y0 + c + 8, s01);
-            _mm256_storeu_ps(y1 + c, s10); _mm256_storeu_ps(y1 + c + 8, s11);
-            _mm256_storeu_ps(y2 + c, s20); _mm256_storeu_ps(y2 + c + 8, s21);
-            _mm256_storeu_ps(y3 + c, s30); _mm256_storeu_ps(y3 + c + 8, s31);
-        }
-        if (c < n)   /* the last columns, a head at a time */
-            for (int k = 0; k < 4; k++)
-                avx2_axpy_rows(y + (size_t)(h + k) * ldy + c, x + c, ldx, a + (size_t)(h + k) * lda, m, n - c);
-    }
-    for (; h < nh; h++) avx2_axpy_rows(y + (size_t)h * ldy, x, ldx, a + (size_t)h * lda, m, n);
-}
-
-/* axpy_rows_n over bf16 rows (as a512_axpy_rows_n_bf16): avx2_axpy_rows_n's
- * FMAs on rows widened in registers, so its bits at half the bytes. */
+/* Rows of fp32 or (bf16 = 1) of bf16 values, 8 elements from element i
+ * (a bf16 value widens exactly: it is the top half of its fp32). */
 GL_AVX2_INLINE __m256 avx2_bf16x8(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
@@ -439,8 +400,16 @@ GL_AVX2_INLINE void avx2_axpy_rows_bf16(float *y, const uint16_t *x, int ldx, co
     }
 }
 
-static GL_AVX2 void avx2_axpy_rows_n_bf16(float *y, int ldy, const uint16_t *x, int ldx, const float *a, int lda,
-                                          int nh, int m, int n) {
+GL_AVX2_INLINE __m256 avx2_row8(const void *x, size_t i, int bf16) {
+    return bf16 ? avx2_bf16x8((const uint16_t *)x + i) : _mm256_loadu_ps((const float *)x + i);
+}
+
+/* Four outputs at a time over 16 columns: each x vector loaded serves four
+ * heads (the rows of a KV block stay in L1 once, not once per head).  Every
+ * element is still y = fma(a_j, x_j, y) for j in order, as avx2_axpy_rows --
+ * on fp32 rows, or on bf16 rows widened in registers (the same bits). */
+GL_AVX2_INLINE void avx2_axpy_rows_n_of(float *y, int ldy, const void *x, int ldx, const float *a, int lda, int nh,
+                                        int m, int n, int bf16) {
     int h = 0;
     for (; h + 4 <= nh; h += 4) {
         float *y0 = y + (size_t)h * ldy, *y1 = y0 + ldy, *y2 = y1 + ldy, *y3 = y2 + ldy;
@@ -452,8 +421,8 @@ static GL_AVX2 void avx2_axpy_rows_n_bf16(float *y, int ldy, const uint16_t *x, 
             __m256 s20 = _mm256_loadu_ps(y2 + c), s21 = _mm256_loadu_ps(y2 + c + 8);
             __m256 s30 = _mm256_loadu_ps(y3 + c), s31 = _mm256_loadu_ps(y3 + c + 8);
             for (int j = 0; j < m; j++) {
-                const uint16_t *xr = x + (size_t)j * ldx + c;
-                const __m256 x0 = avx2_bf16x8(xr), x1 = avx2_bf16x8(xr + 8);
+                const size_t xr = (size_t)j * ldx + c;
+                const __m256 x0 = avx2_row8(x, xr, bf16), x1 = avx2_row8(x, xr + 8, bf16);
                 __m256 v = _mm256_set1_ps(a0[j]);
                 s00 = _mm256_fmadd_ps(v, x0, s00); s01 = _mm256_fmadd_ps(v, x1, s01);
                 v = _mm256_set1_ps(a1[j]);
@@ -468,11 +437,26 @@ static GL_AVX2 void avx2_axpy_rows_n_bf16(float *y, int ldy, const uint16_t *x, 
             _mm256_storeu_ps(y2 + c, s20); _mm256_storeu_ps(y2 + c + 8, s21);
             _mm256_storeu_ps(y3 + c, s30); _mm256_storeu_ps(y3 + c + 8, s31);
         }
-        if (c < n)
-            for (int k = 0; k < 4; k++)
-                avx2_axpy_rows_bf16(y + (size_t)(h + k) * ldy + c, x + c, ldx, a + (size_t)(h + k) * lda, m, n - c);
+        if (c < n)   /* the last columns, a head at a time */
+            for (int k = 0; k < 4; k++) {
+                if (bf16) avx2_axpy_rows_bf16(y + (size_t)(h + k) * ldy + c, (const uint16_t *)x + c, ldx, a + (size_t)(h + k) * lda, m, n - c);
+                else avx2_axpy_rows(y + (size_t)(h + k) * ldy + c, (const float *)x + c, ldx, a + (size_t)(h + k) * lda, m, n - c);
+            }
     }
-    for (; h < nh; h++) avx2_axpy_rows_bf16(y + (size_t)h * ldy, x, ldx, a + (size_t)h * lda, m, n);
+    for (; h < nh; h++) {
+        if (bf16) avx2_axpy_rows_bf16(y + (size_t)h * ldy, x, ldx, a + (size_t)h * lda, m, n);
+        else avx2_axpy_rows(y + (size_t)h * ldy, x, ldx, a + (size_t)h * lda, m, n);
+    }
+}
+
+static GL_AVX2 void avx2_axpy_rows_n(float *y, int ldy, const float *x, int ldx, const float *a, int lda, int nh, int m,
+                                     int n) {
+    avx2_axpy_rows_n_of(y, ldy, x, ldx, a, lda, nh, m, n, 0);
+}
+
+static GL_AVX2 void avx2_axpy_rows_n_bf16(float *y, int ldy, const uint16_t *x, int ldx, const float *a, int lda,
+                                          int nh, int m, int n) {
+    avx2_axpy_rows_n_of(y, ldy, x, ldx, a, lda, nh, m, n, 1);
 }
 
 /* e^x on 8 lanes (GL_EXP_* in ggml_like.c says how). */

@@ -715,11 +715,32 @@ static GL_A512 void a512_axpy_rows(float *y, const float *x, int ldx, const floa
     }
 }
 
+/* Rows of fp32 or (bf16 = 1) of bf16 values, 16 elements from element i:
+ * a bf16 value is the top half of its fp32, so it widens exactly. */
+GL_A512_INLINE __m512 a512_bf16x16(const uint16_t *p, __mmask16 k) {
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p)), 16));
+}
+
+GL_A512_INLINE void a512_axpy_rows_bf16(float *y, const uint16_t *x, int ldx, const float *a, int m, int n) {
+    for (int c = 0; c < n; c += 16) {
+        __mmask16 k = n - c >= 16 ? (__mmask16)0xffff : a512_mask16(n - c);
+        __m512 y0 = _mm512_maskz_loadu_ps(k, y + c);
+        for (int j = 0; j < m; j++) y0 = _mm512_fmadd_ps(_mm512_set1_ps(a[j]), a512_bf16x16(x + (size_t)j * ldx + c, k), y0);
+        _mm512_mask_storeu_ps(y + c, k, y0);
+    }
+}
+
+GL_A512_INLINE __m512 a512_row16(const void *x, size_t i, __mmask16 k, int bf16) {
+    return bf16 ? a512_bf16x16((const uint16_t *)x + i, k) : _mm512_maskz_loadu_ps(k, (const float *)x + i);
+}
+
 /* Four outputs (heads) at a time over 32 columns: each x vector loaded
  * serves four heads.  Every element is y = fma(a_j, x_j, y) for j in order,
- * as a512_axpy_rows. */
-static GL_A512 void a512_axpy_rows_n(float *y, int ldy, const float *x, int ldx, const float *a, int lda,
-                                     int nh, int m, int n) {
+ * as a512_axpy_rows -- on fp32 rows, or on bf16 rows widened in registers
+ * (axpy_rows_n_bf16: the same bits as on the widened rows, half the bytes). */
+GL_A512_INLINE void a512_axpy_rows_n_of(float *y, int ldy, const void *x, int ldx, const float *a, int lda, int nh,
+                                        int m, int n, int bf16) {
+    const __mmask16 all = 0xffff;
     int h = 0;
     for (; h + 4 <= nh; h += 4) {
         float *y0 = y + (size_t)h * ldy, *y1 = y0 + ldy, *y2 = y1 + ldy, *y3 = y2 + ldy;
@@ -731,8 +752,8 @@ static GL_A512 void a512_axpy_rows_n(float *y, int ldy, const float *x, int ldx,
             __m512 s20 = _mm512_loadu_ps(y2 + c), s21 = _mm512_loadu_ps(y2 + c + 16);
             __m512 s30 = _mm512_loadu_ps(y3 + c), s31 = _mm512_loadu_ps(y3 + c + 16);
             for (int j = 0; j < m; j++) {
-                const float *xr = x + (size_t)j * ldx + c;
-                const __m512 x0 = _mm512_loadu_ps(xr), x1 = _mm512_loadu_ps(xr + 16);
+                const size_t xr = (size_t)j * ldx + c;
+                const __m512 x0 = a512_row16(x, xr, all, bf16), x1 = a512_row16(x, xr + 16, all, bf16);
                 __m512 v = _mm512_set1_ps(a0[j]);
                 s00 = _mm512_fmadd_ps(v, x0, s00); s01 = _mm512_fmadd_ps(v, x1, s01);
                 v = _mm512_set1_ps(a1[j]);
@@ -748,64 +769,25 @@ static GL_A512 void a512_axpy_rows_n(float *y, int ldy, const float *x, int ldx,
             _mm512_storeu_ps(y3 + c, s30); _mm512_storeu_ps(y3 + c + 16, s31);
         }
         if (c < n)   /* the last columns, a head at a time */
-            for (int k = 0; k < 4; k++)
-                a512_axpy_rows(y + (size_t)(h + k) * ldy + c, x + c, ldx, a + (size_t)(h + k) * lda, m, n - c);
+            for (int k = 0; k < 4; k++) {
+                if (bf16) a512_axpy_rows_bf16(y + (size_t)(h + k) * ldy + c, (const uint16_t *)x + c, ldx, a + (size_t)(h + k) * lda, m, n - c);
+                else a512_axpy_rows(y + (size_t)(h + k) * ldy + c, (const float *)x + c, ldx, a + (size_t)(h + k) * lda, m, n - c);
+            }
     }
-    for (; h < nh; h++) a512_axpy_rows(y + (size_t)h * ldy, x, ldx, a + (size_t)h * lda, m, n);
+    for (; h < nh; h++) {
+        if (bf16) a512_axpy_rows_bf16(y + (size_t)h * ldy, x, ldx, a + (size_t)h * lda, m, n);
+        else a512_axpy_rows(y + (size_t)h * ldy, x, ldx, a + (size_t)h * lda, m, n);
+    }
 }
 
-/* axpy_rows_n over bf16 rows: a512_axpy_rows_n's FMAs, op for op, on rows
- * widened in registers (a bf16 value is the top half of its fp32), so the
- * bits are those of a512_axpy_rows_n on the widened rows -- at half the
- * bytes read.  A bf16 latent cache's weighted sums. */
-GL_A512_INLINE __m512 a512_bf16x16(const uint16_t *p, __mmask16 k) {
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p)), 16));
-}
-
-GL_A512_INLINE void a512_axpy_rows_bf16(float *y, const uint16_t *x, int ldx, const float *a, int m, int n) {
-    for (int c = 0; c < n; c += 16) {
-        __mmask16 k = n - c >= 16 ? (__mmask16)0xffff : a512_mask16(n - c);
-        __m512 y0 = _mm512_maskz_loadu_ps(k, y + c);
-        for (int j = 0; j < m; j++) y0 = _mm512_fmadd_ps(_mm512_set1_ps(a[j]), a512_bf16x16(x + (size_t)j * ldx + c, k), y0);
-        _mm512_mask_storeu_ps(y + c, k, y0);
-    }
+static GL_A512 void a512_axpy_rows_n(float *y, int ldy, const float *x, int ldx, const float *a, int lda, int nh, int m,
+                                     int n) {
+    a512_axpy_rows_n_of(y, ldy, x, ldx, a, lda, nh, m, n, 0);
 }
 
 static GL_A512 void a512_axpy_rows_n_bf16(float *y, int ldy, const uint16_t *x, int ldx, const float *a, int lda,
                                           int nh, int m, int n) {
-    const __mmask16 all = 0xffff;
-    int h = 0;
-    for (; h + 4 <= nh; h += 4) {
-        float *y0 = y + (size_t)h * ldy, *y1 = y0 + ldy, *y2 = y1 + ldy, *y3 = y2 + ldy;
-        const float *a0 = a + (size_t)h * lda, *a1 = a0 + lda, *a2 = a1 + lda, *a3 = a2 + lda;
-        int c = 0;
-        for (; c + 32 <= n; c += 32) {
-            __m512 s00 = _mm512_loadu_ps(y0 + c), s01 = _mm512_loadu_ps(y0 + c + 16);
-            __m512 s10 = _mm512_loadu_ps(y1 + c), s11 = _mm512_loadu_ps(y1 + c + 16);
-            __m512 s20 = _mm512_loadu_ps(y2 + c), s21 = _mm512_loadu_ps(y2 + c + 16);
-            __m512 s30 = _mm512_loadu_ps(y3 + c), s31 = _mm512_loadu_ps(y3 + c + 16);
-            for (int j = 0; j < m; j++) {
-                const uint16_t *xr = x + (size_t)j * ldx + c;
-                const __m512 x0 = a512_bf16x16(xr, all), x1 = a512_bf16x16(xr + 16, all);
-                __m512 v = _mm512_set1_ps(a0[j]);
-                s00 = _mm512_fmadd_ps(v, x0, s00); s01 = _mm512_fmadd_ps(v, x1, s01);
-                v = _mm512_set1_ps(a1[j]);
-                s10 = _mm512_fmadd_ps(v, x0, s10); s11 = _mm512_fmadd_ps(v, x1, s11);
-                v = _mm512_set1_ps(a2[j]);
-                s20 = _mm512_fmadd_ps(v, x0, s20); s21 = _mm512_fmadd_ps(v, x1, s21);
-                v = _mm512_set1_ps(a3[j]);
-                s30 = _mm512_fmadd_ps(v, x0, s30); s31 = _mm512_fmadd_ps(v, x1, s31);
-            }
-            _mm512_storeu_ps(y0 + c, s00); _mm512_storeu_ps(y0 + c + 16, s01);
-            _mm512_storeu_ps(y1 + c, s10); _mm512_storeu_ps(y1 + c + 16, s11);
-            _mm512_storeu_ps(y2 + c, s20); _mm512_storeu_ps(y2 + c + 16, s21);
-            _mm512_storeu_ps(y3 + c, s30); _mm512_storeu_ps(y3 + c + 16, s31);
-        }
-        if (c < n)
-            for (int k = 0; k < 4; k++)
-                a512_axpy_rows_bf16(y + (size_t)(h + k) * ldy + c, x + c, ldx, a + (size_t)(h + k) * lda, m, n - c);
-    }
-    for (; h < nh; h++) a512_axpy_rows_bf16(y + (size_t)h * ldy, x, ldx, a + (size_t)h * lda, m, n);
+    a512_axpy_rows_n_of(y, ldy, x, ldx, a, lda, nh, m, n, 1);
 }
 
 /* e^x on 16 lanes: avx2_exp's steps, op for op (so each value has the same
