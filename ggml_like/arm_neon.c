@@ -428,18 +428,20 @@ static void neon_silu_mul(float *a, const float *b, int n) {
 
 /* dot_rows_t (as a512_dot_rows_t): 4 lanes against 8 rows at a time, each
  * row element multiplied into its own accumulator, FMAs in c order; the
- * last nl % 4 lanes by fmaf, the same chain. */
-GL_NEON_INLINE void neon_dot8_rows(const float *qt, size_t ldq, const float *x, size_t ldx, int n, float *y, int ldy) {
-    const float *p0 = x, *p1 = x + 4 * ldx;
+ * last nl % 4 lanes by fmaf, the same chain.  Rows of fp32, or (bf16 = 1,
+ * dot_rows_t_bf16) of bf16 widened as they are read: the same bits. */
+GL_NEON_INLINE void neon_dot8_rows_of(const float *qt, size_t ldq, const void *x, size_t ldx, int n, float *y, int ldy,
+                                      int bf16) {
     const size_t L = ldx;
     float32x4_t a0 = vdupq_n_f32(0), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
     const float *q = qt;
-    for (int c = 0; c < n; c++, q += ldq, p0++, p1++) {
+    for (size_t c = 0; c < (size_t)n; c++, q += ldq) {
         const float32x4_t v = vld1q_f32(q);
-        a0 = vfmaq_n_f32(a0, v, p0[0]);     a1 = vfmaq_n_f32(a1, v, p0[L]);
-        a2 = vfmaq_n_f32(a2, v, p0[2 * L]); a3 = vfmaq_n_f32(a3, v, p0[3 * L]);
-        a4 = vfmaq_n_f32(a4, v, p1[0]);     a5 = vfmaq_n_f32(a5, v, p1[L]);
-        a6 = vfmaq_n_f32(a6, v, p1[2 * L]); a7 = vfmaq_n_f32(a7, v, p1[3 * L]);
+        const size_t i0 = c, i1 = c + 4 * L;
+        a0 = vfmaq_n_f32(a0, v, neon_row1(x, i0, bf16));         a1 = vfmaq_n_f32(a1, v, neon_row1(x, i0 + L, bf16));
+        a2 = vfmaq_n_f32(a2, v, neon_row1(x, i0 + 2 * L, bf16)); a3 = vfmaq_n_f32(a3, v, neon_row1(x, i0 + 3 * L, bf16));
+        a4 = vfmaq_n_f32(a4, v, neon_row1(x, i1, bf16));         a5 = vfmaq_n_f32(a5, v, neon_row1(x, i1 + L, bf16));
+        a6 = vfmaq_n_f32(a6, v, neon_row1(x, i1 + 2 * L, bf16)); a7 = vfmaq_n_f32(a7, v, neon_row1(x, i1 + 3 * L, bf16));
     }
     float t[8][4];   /* [row][lane] */
     vst1q_f32(t[0], a0); vst1q_f32(t[1], a1); vst1q_f32(t[2], a2); vst1q_f32(t[3], a3);
@@ -448,17 +450,19 @@ GL_NEON_INLINE void neon_dot8_rows(const float *qt, size_t ldq, const float *x, 
         for (int j = 0; j < 8; j++) y[(size_t)l * ldy + j] = t[j][l];
 }
 
-static void neon_dot_rows_t(float *y, int ldy, const float *qt, int ldq, int nl, const float *x, int ldx, int m, int n) {
+GL_NEON_INLINE void neon_dot_rows_t_of(float *y, int ldy, const float *qt, int ldq, int nl, const void *x, int ldx, int m,
+                                       int n, int bf16) {
     int l0 = 0;
     for (; l0 + 4 <= nl; l0 += 4) {
         const float *q = qt + l0;
         float *yl = y + (size_t)l0 * ldy;
         int j = 0;
-        for (; j + 8 <= m; j += 8) neon_dot8_rows(q, (size_t)ldq, x + (size_t)j * ldx, (size_t)ldx, n, yl + j, ldy);
+        for (; j + 8 <= m; j += 8) neon_dot8_rows_of(q, (size_t)ldq, (const char *)x + (size_t)j * ldx * (bf16 ? 2 : 4),
+                                                     (size_t)ldx, n, yl + j, ldy, bf16);
         for (; j < m; j++) {
-            const float *xr = x + (size_t)j * ldx;
             float32x4_t a0 = vdupq_n_f32(0);
-            for (int c = 0; c < n; c++) a0 = vfmaq_n_f32(a0, vld1q_f32(q + (size_t)c * ldq), xr[c]);
+            for (int c = 0; c < n; c++)
+                a0 = vfmaq_n_f32(a0, vld1q_f32(q + (size_t)c * ldq), neon_row1(x, (size_t)j * ldx + c, bf16));
             float t[4];
             vst1q_f32(t, a0);
             for (int l = 0; l < 4; l++) yl[(size_t)l * ldy + j] = t[l];
@@ -466,62 +470,20 @@ static void neon_dot_rows_t(float *y, int ldy, const float *qt, int ldq, int nl,
     }
     for (; l0 < nl; l0++)
         for (int j = 0; j < m; j++) {
-            const float *xr = x + (size_t)j * ldx;
             float acc = 0;
-            for (int c = 0; c < n; c++) acc = fmaf(qt[(size_t)c * ldq + l0], xr[c], acc);
+            for (int c = 0; c < n; c++) acc = fmaf(qt[(size_t)c * ldq + l0], neon_row1(x, (size_t)j * ldx + c, bf16), acc);
             y[(size_t)l0 * ldy + j] = acc;
         }
 }
 
-/* dot_rows_t over bf16 rows: neon_dot_rows_t's chains on elements widened
- * as they are read. */
-#define NEON_BF(p, i) gl_bf16_to_f32((p)[i])
-GL_NEON_INLINE void neon_dot8_rows_bf16(const float *qt, size_t ldq, const uint16_t *x, size_t ldx, int n, float *y,
-                                        int ldy) {
-    const uint16_t *p0 = x, *p1 = x + 4 * ldx;
-    const size_t L = ldx;
-    float32x4_t a0 = vdupq_n_f32(0), a1 = a0, a2 = a0, a3 = a0, a4 = a0, a5 = a0, a6 = a0, a7 = a0;
-    const float *q = qt;
-    for (int c = 0; c < n; c++, q += ldq, p0++, p1++) {
-        const float32x4_t v = vld1q_f32(q);
-        a0 = vfmaq_n_f32(a0, v, NEON_BF(p0, 0));     a1 = vfmaq_n_f32(a1, v, NEON_BF(p0, L));
-        a2 = vfmaq_n_f32(a2, v, NEON_BF(p0, 2 * L)); a3 = vfmaq_n_f32(a3, v, NEON_BF(p0, 3 * L));
-        a4 = vfmaq_n_f32(a4, v, NEON_BF(p1, 0));     a5 = vfmaq_n_f32(a5, v, NEON_BF(p1, L));
-        a6 = vfmaq_n_f32(a6, v, NEON_BF(p1, 2 * L)); a7 = vfmaq_n_f32(a7, v, NEON_BF(p1, 3 * L));
-    }
-    float t[8][4];
-    vst1q_f32(t[0], a0); vst1q_f32(t[1], a1); vst1q_f32(t[2], a2); vst1q_f32(t[3], a3);
-    vst1q_f32(t[4], a4); vst1q_f32(t[5], a5); vst1q_f32(t[6], a6); vst1q_f32(t[7], a7);
-    for (int l = 0; l < 4; l++)
-        for (int j = 0; j < 8; j++) y[(size_t)l * ldy + j] = t[j][l];
+static void neon_dot_rows_t(float *y, int ldy, const float *qt, int ldq, int nl, const float *x, int ldx, int m, int n) {
+    neon_dot_rows_t_of(y, ldy, qt, ldq, nl, x, ldx, m, n, 0);
 }
 
 static void neon_dot_rows_t_bf16(float *y, int ldy, const float *qt, int ldq, int nl, const uint16_t *x, int ldx, int m,
                                  int n) {
-    int l0 = 0;
-    for (; l0 + 4 <= nl; l0 += 4) {
-        const float *q = qt + l0;
-        float *yl = y + (size_t)l0 * ldy;
-        int j = 0;
-        for (; j + 8 <= m; j += 8) neon_dot8_rows_bf16(q, (size_t)ldq, x + (size_t)j * ldx, (size_t)ldx, n, yl + j, ldy);
-        for (; j < m; j++) {
-            const uint16_t *xr = x + (size_t)j * ldx;
-            float32x4_t a0 = vdupq_n_f32(0);
-            for (int c = 0; c < n; c++) a0 = vfmaq_n_f32(a0, vld1q_f32(q + (size_t)c * ldq), NEON_BF(xr, c));
-            float t[4];
-            vst1q_f32(t, a0);
-            for (int l = 0; l < 4; l++) yl[(size_t)l * ldy + j] = t[l];
-        }
-    }
-    for (; l0 < nl; l0++)
-        for (int j = 0; j < m; j++) {
-            const uint16_t *xr = x + (size_t)j * ldx;
-            float acc = 0;
-            for (int c = 0; c < n; c++) acc = fmaf(qt[(size_t)c * ldq + l0], NEON_BF(xr, c), acc);
-            y[(size_t)l0 * ldy + j] = acc;
-        }
+    neon_dot_rows_t_of(y, ldy, qt, ldq, nl, x, ldx, m, n, 1);
 }
-#undef NEON_BF
 
 static const gl_kernels gl_neon_kernels = {
     "neon", neon_matmul, neon_matmul_q8_plain, neon_quantize_q8, neon_dot, neon_axpy, neon_axpy_rows,

@@ -518,6 +518,15 @@ static GL_AVX2 void avx2_silu_mul(float *a, const float *b, int n) {
 
 /* dot_rows_t (as a512_dot_rows_t): 8 lanes against 8 rows at a time,
  * each row element broadcast into its own accumulator, FMAs in c order. */
+/* Accumulators [row][lane] stored to y transposed: lane l of row j to
+ * y[l * ldy + j], for the first nl lanes. */
+GL_AVX2_INLINE void avx2_store_rows_t(const __m256 *acc, int rows, float *y, int ldy, int nl) {
+    float t[8][8];
+    for (int j = 0; j < rows; j++) _mm256_storeu_ps(t[j], acc[j]);
+    for (int l = 0; l < nl; l++)
+        for (int j = 0; j < rows; j++) y[(size_t)l * ldy + j] = t[j][l];
+}
+
 #define AVX2_BC(p, o) _mm256_broadcast_ss((const float *)((const char *)(p) + (o)))
 GL_AVX2_INLINE void avx2_dot8_rows(const float *qt, size_t ldq, __m256i mk, const float *x, size_t ldx, int n,
                                    float *y, int ldy, int nl) {
@@ -532,11 +541,8 @@ GL_AVX2_INLINE void avx2_dot8_rows(const float *qt, size_t ldq, __m256i mk, cons
         a4 = _mm256_fmadd_ps(v, AVX2_BC(p1, 0), a4);     a5 = _mm256_fmadd_ps(v, AVX2_BC(p1, L), a5);
         a6 = _mm256_fmadd_ps(v, AVX2_BC(p1, 2 * L), a6); a7 = _mm256_fmadd_ps(v, AVX2_BC(p1, L3), a7);
     }
-    float t[8][8];   /* [row][lane] */
-    _mm256_storeu_ps(t[0], a0); _mm256_storeu_ps(t[1], a1); _mm256_storeu_ps(t[2], a2); _mm256_storeu_ps(t[3], a3);
-    _mm256_storeu_ps(t[4], a4); _mm256_storeu_ps(t[5], a5); _mm256_storeu_ps(t[6], a6); _mm256_storeu_ps(t[7], a7);
-    for (int l = 0; l < nl; l++)
-        for (int j = 0; j < 8; j++) y[(size_t)l * ldy + j] = t[j][l];
+    const __m256 acc[8] = {a0, a1, a2, a3, a4, a5, a6, a7};
+    avx2_store_rows_t(acc, 8, y, ldy, nl);
 }
 #undef AVX2_BC
 
@@ -581,11 +587,8 @@ GL_AVX2_INLINE void avx2_dot8_rows_bf16(const float *qt, size_t ldq, __m256i mk,
         a4 = _mm256_fmadd_ps(v, AVX2_ONE(p1, 0), a4);     a5 = _mm256_fmadd_ps(v, AVX2_ONE(p1, L), a5);
         a6 = _mm256_fmadd_ps(v, AVX2_ONE(p1, 2 * L), a6); a7 = _mm256_fmadd_ps(v, AVX2_ONE(p1, L3), a7);
     }
-    float t[8][8];
-    _mm256_storeu_ps(t[0], a0); _mm256_storeu_ps(t[1], a1); _mm256_storeu_ps(t[2], a2); _mm256_storeu_ps(t[3], a3);
-    _mm256_storeu_ps(t[4], a4); _mm256_storeu_ps(t[5], a5); _mm256_storeu_ps(t[6], a6); _mm256_storeu_ps(t[7], a7);
-    for (int l = 0; l < nl; l++)
-        for (int j = 0; j < 8; j++) y[(size_t)l * ldy + j] = t[j][l];
+    const __m256 acc[8] = {a0, a1, a2, a3, a4, a5, a6, a7};
+    avx2_store_rows_t(acc, 8, y, ldy, nl);
 }
 
 GL_AVX2_INLINE void avx2_dot1_row_bf16(const float *qt, size_t ldq, __m256i mk, const uint16_t *x, int n, float *y,

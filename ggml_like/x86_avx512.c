@@ -843,6 +843,15 @@ static GL_A512 void a512_silu_mul(float *a, const float *b, int n) {
  * horizontal sums, and every lane a chain of FMAs in c order.  The rows are
  * reached from four moving pointers at 0, L, 2L and 3L bytes (a row array
  * or 16 pointers made gcc spill the accumulators every step). */
+/* Accumulators [row][lane] stored to y transposed: lane l of row j to
+ * y[l * ldy + j], for the first nl lanes. */
+GL_A512_INLINE void a512_store_rows_t(const __m512 *acc, int rows, float *y, int ldy, int nl) {
+    float t[16][16];
+    for (int j = 0; j < rows; j++) _mm512_storeu_ps(t[j], acc[j]);
+    for (int l = 0; l < nl; l++)
+        for (int j = 0; j < rows; j++) y[(size_t)l * ldy + j] = t[j][l];
+}
+
 #define A512_BC(p, o) _mm512_set1_ps(*(const float *)((const char *)(p) + (o)))
 GL_A512_INLINE void a512_dot16_rows(const float *qt, size_t ldq, __mmask16 mk, const float *x, size_t ldx, int n,
                                     float *y, int ldy, int nl) {
@@ -862,13 +871,8 @@ GL_A512_INLINE void a512_dot16_rows(const float *qt, size_t ldq, __mmask16 mk, c
         a12 = _mm512_fmadd_ps(v, A512_BC(p3, 0), a12);    a13 = _mm512_fmadd_ps(v, A512_BC(p3, L), a13);
         a14 = _mm512_fmadd_ps(v, A512_BC(p3, 2 * L), a14); a15 = _mm512_fmadd_ps(v, A512_BC(p3, L3), a15);
     }
-    float t[16][16];   /* [row][lane], stored to y transposed */
-    _mm512_storeu_ps(t[0], a0);   _mm512_storeu_ps(t[1], a1);   _mm512_storeu_ps(t[2], a2);   _mm512_storeu_ps(t[3], a3);
-    _mm512_storeu_ps(t[4], a4);   _mm512_storeu_ps(t[5], a5);   _mm512_storeu_ps(t[6], a6);   _mm512_storeu_ps(t[7], a7);
-    _mm512_storeu_ps(t[8], a8);   _mm512_storeu_ps(t[9], a9);   _mm512_storeu_ps(t[10], a10); _mm512_storeu_ps(t[11], a11);
-    _mm512_storeu_ps(t[12], a12); _mm512_storeu_ps(t[13], a13); _mm512_storeu_ps(t[14], a14); _mm512_storeu_ps(t[15], a15);
-    for (int l = 0; l < nl; l++)
-        for (int j = 0; j < 16; j++) y[(size_t)l * ldy + j] = t[j][l];
+    const __m512 acc[16] = {a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15};
+    a512_store_rows_t(acc, 16, y, ldy, nl);
 }
 
 /* The last m % 16 rows: four, then one at a time. */
@@ -883,10 +887,8 @@ GL_A512_INLINE void a512_dot4_rows(const float *qt, size_t ldq, __mmask16 mk, co
         a0 = _mm512_fmadd_ps(v, A512_BC(p, 0), a0);     a1 = _mm512_fmadd_ps(v, A512_BC(p, L), a1);
         a2 = _mm512_fmadd_ps(v, A512_BC(p, 2 * L), a2); a3 = _mm512_fmadd_ps(v, A512_BC(p, 3 * L), a3);
     }
-    float t[4][16];
-    _mm512_storeu_ps(t[0], a0); _mm512_storeu_ps(t[1], a1); _mm512_storeu_ps(t[2], a2); _mm512_storeu_ps(t[3], a3);
-    for (int l = 0; l < nl; l++)
-        for (int j = 0; j < 4; j++) y[(size_t)l * ldy + j] = t[j][l];
+    const __m512 acc[4] = {a0, a1, a2, a3};
+    a512_store_rows_t(acc, 4, y, ldy, nl);
 }
 
 GL_A512_INLINE void a512_dot1_row(const float *qt, size_t ldq, __mmask16 mk, const float *x, int n, float *y, int ldy,
@@ -942,13 +944,8 @@ GL_A512_INLINE void a512_dot16_rows_bf16(const float *qt, size_t ldq, __mmask16 
         a12 = _mm512_fmadd_ps(v, A512_ONE(p3, 0), a12);    a13 = _mm512_fmadd_ps(v, A512_ONE(p3, L), a13);
         a14 = _mm512_fmadd_ps(v, A512_ONE(p3, 2 * L), a14); a15 = _mm512_fmadd_ps(v, A512_ONE(p3, L3), a15);
     }
-    float t[16][16];
-    _mm512_storeu_ps(t[0], a0);   _mm512_storeu_ps(t[1], a1);   _mm512_storeu_ps(t[2], a2);   _mm512_storeu_ps(t[3], a3);
-    _mm512_storeu_ps(t[4], a4);   _mm512_storeu_ps(t[5], a5);   _mm512_storeu_ps(t[6], a6);   _mm512_storeu_ps(t[7], a7);
-    _mm512_storeu_ps(t[8], a8);   _mm512_storeu_ps(t[9], a9);   _mm512_storeu_ps(t[10], a10); _mm512_storeu_ps(t[11], a11);
-    _mm512_storeu_ps(t[12], a12); _mm512_storeu_ps(t[13], a13); _mm512_storeu_ps(t[14], a14); _mm512_storeu_ps(t[15], a15);
-    for (int l = 0; l < nl; l++)
-        for (int j = 0; j < 16; j++) y[(size_t)l * ldy + j] = t[j][l];
+    const __m512 acc[16] = {a0, a1, a2, a3, a4, a5, a6, a7, a8, a9, a10, a11, a12, a13, a14, a15};
+    a512_store_rows_t(acc, 16, y, ldy, nl);
 }
 
 /* The last m % 16 rows: four, then one at a time. */
@@ -968,10 +965,8 @@ GL_A512_INLINE void a512_dot4_rows_bf16(const float *qt, size_t ldq, __mmask16 m
         a0 = _mm512_fmadd_ps(v, A512_ONE(p, 0), a0);     a1 = _mm512_fmadd_ps(v, A512_ONE(p, L), a1);
         a2 = _mm512_fmadd_ps(v, A512_ONE(p, 2 * L), a2); a3 = _mm512_fmadd_ps(v, A512_ONE(p, 3 * L), a3);
     }
-    float t[4][16];
-    _mm512_storeu_ps(t[0], a0); _mm512_storeu_ps(t[1], a1); _mm512_storeu_ps(t[2], a2); _mm512_storeu_ps(t[3], a3);
-    for (int l = 0; l < nl; l++)
-        for (int j = 0; j < 4; j++) y[(size_t)l * ldy + j] = t[j][l];
+    const __m512 acc[4] = {a0, a1, a2, a3};
+    a512_store_rows_t(acc, 4, y, ldy, nl);
 }
 
 GL_A512_INLINE void a512_dot1_row_bf16(const float *qt, size_t ldq, __mmask16 mk, const uint16_t *x, int n, float *y,
