@@ -5268,9 +5268,11 @@ int cm384_token_eos(const cm384_model *m) {
 /* ---- 5.1 small pieces ---- */
 
 /* x * rsqrt(mean(x^2) + eps) * w, in fp32 (DeepSeek's RMSNorm). */
-static void rmsnorm(float *out, const float *x, const float *w, int n, float eps) {
-    float ss = 0;
-    for (int i = 0; i < n; i++) ss += x[i] * x[i];
+/* The sum of squares is the kernel set's dot product: its fixed order,
+ * vectorized, instead of one chain of n dependent adds (a microsecond a
+ * 1024-wide row, several a token and layer). */
+static void rmsnorm(const gl_kernels *k, float *out, const float *x, const float *w, int n, float eps) {
+    float ss = k->dot(x, x, n);
     float inv = 1.0f / sqrtf(ss / (float)n + eps);
     for (int i = 0; i < n; i++) out[i] = x[i] * inv * w[i];
 }
@@ -6269,6 +6271,7 @@ static void quantize_row(const struct cm384_engine *e, const float *x, int n, in
 
 /* The residual add the previous op owes x, then the norm of this op. */
 static void t_norm(void *ctx, int g, int t, int worker);
+#define COMBINE_SLAB 256   /* columns of the combine summed in registers and on the stack */
 
 /* The norm, then the row as an INT8 message would bring it to a receiver
  * (quantized per token, dequantized), into recv_f: the input of a shared
@@ -6298,8 +6301,7 @@ static void t_norm(void *ctx, int g, int t, int worker) {
         gl_row_to_f32(&m->embed, mb->tok[r], x);
         rope_angles(m, mb->pos[r], s->rope_cs + (size_t)r * hp->qk_rope);
     } else if (mb->pending == PEND_ADD_TMP) {
-        const float *a = s->tmp + (size_t)r * D;
-        for (int d = 0; d < D; d++) x[d] += a[d];
+        o->e->k->axpy(x, s->tmp + (size_t)r * D, 1.0f, D);       /* x + a, exactly rounded */
     } else if (mb->pending == PEND_COMBINE) {
         int K = hp->top_k, has_shared = m->layers[mb->pending_layer].shared.gate.data != NULL;
         const float *w = s->top_w + (size_t)r * K, *cb = s->comb + (size_t)r * (K + 1) * D;
@@ -6315,19 +6317,22 @@ static void t_norm(void *ctx, int g, int t, int worker) {
                          : as_sent ? gl_bf16_to_f32(gl_f32_to_bf16(cb[(size_t)K * D + d])) : cb[(size_t)K * D + d];
                 x[d] += acc;
             }
-        } else {
-            for (int d = 0; d < D; d++) {
-                float acc = 0;
-                for (int k = 0; k < K; k++) acc += w[k] * cb[(size_t)k * D + d];
-                if (has_shared) acc += cb[(size_t)K * D + d];
-                x[d] += acc;
+        } else {             /* the same sums, a slab of columns at a time by the kernels' axpy */
+            const gl_kernels *kn = o->e->k;
+            float acc[COMBINE_SLAB];
+            for (int d0 = 0; d0 < D; d0 += COMBINE_SLAB) {
+                int nd = D - d0 < COMBINE_SLAB ? D - d0 : COMBINE_SLAB;
+                memset(acc, 0, (size_t)nd * sizeof(float));
+                for (int k = 0; k < K; k++) kn->axpy(acc, cb + (size_t)k * D + d0, w[k], nd);
+                if (has_shared) kn->axpy(acc, cb + (size_t)K * D + d0, 1.0f, nd);
+                kn->axpy(x + d0, acc, 1.0f, nd);
             }
         }
     }
     const float *nw = o->kind == OP_ATTN ? m->layers[o->layer].attn_norm
                     : o->kind == OP_FFN  ? m->layers[o->layer].ffn_norm : o->head_norm;
     float *xn = s->xn + (size_t)r * D;
-    rmsnorm(xn, x, nw, D, hp->eps);
+    rmsnorm(o->e->k, xn, x, nw, D, hp->eps);
     if (o->e->dbg_amax && o->kind != OP_HEAD) {
         float *am = o->e->dbg_amax + ((size_t)o->layer * 2 + (o->kind == OP_ATTN ? 0 : 1)) * D;
         for (int d = 0; d < D; d++) if (fabsf(xn[d]) > am[d]) am[d] = fabsf(xn[d]);
@@ -6352,14 +6357,14 @@ static void t_kv_write(void *ctx, int g, int t, int worker) {
     int r = mb->groups[g].first + t, lat = hp->kv_lora + hp->qk_rope;
     if (hp->q_lora) {
         float *qa = mb->s->qa + (size_t)r * hp->q_lora;
-        rmsnorm(qa, qa, L->q_norm, hp->q_lora, hp->eps);
+        rmsnorm(o->e->k, qa, qa, L->q_norm, hp->q_lora, hp->eps);
         if (op_q8(o)) quantize_row(o->e, qa, hp->q_lora, mb->s->qaq + (size_t)r * hp->q_lora, &mb->s->qas[r]);
     }
     float *kva = mb->s->kva + (size_t)r * lat;
     void *slot = kv_row(&o->e->kv, mb->tables[r], o->layer, mb->pos[r] + mb->kv_shift);
     int bf16 = o->e->kv.bf16;
     float *row = bf16 ? kva : slot;                /* bf16: made in place, then rounded */
-    rmsnorm(row, kva, L->kv_norm, hp->kv_lora, hp->eps);
+    rmsnorm(o->e->k, row, kva, L->kv_norm, hp->kv_lora, hp->eps);
     if (!bf16) memcpy(row + hp->kv_lora, kva + hp->kv_lora, (size_t)hp->qk_rope * sizeof(float));
     rope(row + hp->kv_lora, mb->s->rope_cs + (size_t)r * hp->qk_rope, hp->qk_rope);
     if (bf16)
@@ -7139,8 +7144,8 @@ static void t_mtp_in(void *ctx, int g, int t, int worker) {
     float *row = mb->s->ffa + (size_t)r * 2 * D;
     gl_row_to_f32(&L->embed, mb->tok[r], row);
     rope_angles(m, mb->pos[r], mb->s->rope_cs + (size_t)r * m->hp.qk_rope);
-    rmsnorm(row, row, L->enorm, D, m->hp.eps);
-    rmsnorm(row + D, o->h_in + (size_t)r * D, L->hnorm, D, m->hp.eps);
+    rmsnorm(o->e->k, row, row, L->enorm, D, m->hp.eps);
+    rmsnorm(o->e->k, row + D, o->h_in + (size_t)r * D, L->hnorm, D, m->hp.eps);
     if (op_q8(o)) quantize_row(o->e, row, 2 * D, mb->s->ffq + (size_t)r * 2 * D, &mb->s->ffs[r]);
 }
 
