@@ -5663,6 +5663,8 @@ typedef struct region {
     int        lane, caller;               /* the peer whose loop runs it: its lane, its worker id */
     int64_t    step;                       /* that peer's step now running, -1 outside steps (trace) */
     int        small_tasks;                /* cut products into short tasks: prefill beside decode */
+    size_t     mm_work;                    /* weight bytes x tokens of its products ...       */
+    int        other_work;                 /* ... and whether it holds anything else           */
     struct cm384_engine *e;
     const char *name; int layer, mb;     /* label for groups added next     */
     const char *broken;        /* an invariant broke: why (see region_break)     */
@@ -5697,6 +5699,7 @@ static void region_add(region *rg, task_fn fn, void *ctx, int arg, int n, int de
     atomic_store_explicit(&g->t0, UINT64_MAX, memory_order_relaxed);
     atomic_store_explicit(&g->t1, 0, memory_order_relaxed);
     rg->n_tasks += n;
+    rg->other_work = 1;          /* region_add_mm takes it back for its products */
 }
 
 /* ---- matrix products as region tasks ---- */
@@ -5730,6 +5733,7 @@ static void mm_chunk_task(void *ctx, int arg, int c, int worker) {
 #define MM_TASK_BYTES (256u << 10)         /* weights a product's task reads          */
 #define MM_STREAM_TASK_BYTES (1024u << 10) /* ... when it has at most MM_STREAM_MAX_N tokens */
 #define MM_STREAM_MAX_N 2
+#define MM_SPLIT_MIN_BYTES (256u << 10)   /* weight bytes x tokens below which a product is one task */
 #define SMALL_TASK_MACS (4u << 20)    /* a prefill task beside decode: ~0.2-0.5 ms on a core */
 #define SMALL_TASK_TOKENS 64        /* ... and its tokens, when the products allow it */
 
@@ -5748,6 +5752,7 @@ static void region_add_mm(region *rg, int n_workers, mm_job *jb, int device) {
     int nc = (int)((bytes + per_task - 1) / per_task);
     int by_rows = (jb->w->rows + 15) / 16;
     int spread = n_workers > 1 ? (streams ? 1 : 2) * n_workers : 1;
+    if (bytes * (size_t)jb->n < MM_SPLIT_MIN_BYTES) spread = 1;   /* less work than handing it over */
     if (nc < spread) nc = spread;
     if (nc > by_rows) nc = by_rows;
     if (nc < 1) nc = 1;
@@ -5778,7 +5783,10 @@ static void region_add_mm(region *rg, int n_workers, mm_job *jb, int device) {
         t = t < 4 ? 4 : t & ~3;
         if (t < jb->n) jb->tok_chunk = t;
     }
+    int other = rg->other_work;
     region_add(rg, mm_chunk_task, jb, 0, jb->n_row_chunks * ((jb->n + jb->tok_chunk - 1) / jb->tok_chunk), device);
+    rg->other_work = other;
+    rg->mm_work += bytes * (size_t)jb->n;
 }
 
 /* ---- per-microbatch working memory (carved from the pool) ---- */
@@ -6088,10 +6096,12 @@ static void trace_flush(struct cm384_engine *e);
 
 static void region_run(region *rg) {
     struct cm384_engine *e = rg->e;
+    /* prefill helps its own region only while decode is idle */
+    int helps = rg->lane == LANE_DECODE || e->time_shared || !atomic_load_explicit(&e->lanes->decode_busy, memory_order_relaxed);
     if (rg->n_tasks > 0 && e->pinned) gl_pool_run_pinned(e->pool_threads, region_task_device, rg);
-    else if (rg->n_tasks > 0)      /* prefill helps its own region only while decode is idle */
-        lane_run(e->lanes, rg->lane, rg->n_tasks, region_task, rg, rg->caller,
-                 rg->lane == LANE_DECODE || e->time_shared || !atomic_load_explicit(&e->lanes->decode_busy, memory_order_relaxed));
+    else if (rg->n_tasks > 0 && helps && !rg->other_work && rg->mm_work < MM_SPLIT_MIN_BYTES)
+        for (int t = 0; t < rg->n_tasks; t++) region_task(rg, t, rg->caller);   /* less work than a handover */
+    else if (rg->n_tasks > 0) lane_run(e->lanes, rg->lane, rg->n_tasks, region_task, rg, rg->caller, helps);
     if (e->trace) {
         pthread_mutex_lock(&e->trace_mu);           /* both peers add events */
         for (int i = 0; i < rg->n_groups; i++) {
@@ -6109,6 +6119,8 @@ static void region_run(region *rg) {
         pthread_mutex_unlock(&e->trace_mu);
     }
     rg->n_groups = rg->n_tasks = 0;
+    rg->mm_work = 0;
+    rg->other_work = 0;
 }
 
 /* A span on a peer's own track (after the devices'): its steps. */
