@@ -5663,8 +5663,8 @@ typedef struct region {
     int        lane, caller;               /* the peer whose loop runs it: its lane, its worker id */
     int64_t    step;                       /* that peer's step now running, -1 outside steps (trace) */
     int        small_tasks;                /* cut products into short tasks: prefill beside decode */
-    size_t     mm_work;                    /* weight bytes x tokens of its products ...       */
-    int        other_work;                 /* ... and whether it holds anything else           */
+    size_t     work;                       /* bytes its tasks read, where sized (see region_run) */
+    int        unsized;                    /* it holds tasks of no size                          */
     struct cm384_engine *e;
     const char *name; int layer, mb;     /* label for groups added next     */
     const char *broken;        /* an invariant broke: why (see region_break)     */
@@ -5699,7 +5699,16 @@ static void region_add(region *rg, task_fn fn, void *ctx, int arg, int n, int de
     atomic_store_explicit(&g->t0, UINT64_MAX, memory_order_relaxed);
     atomic_store_explicit(&g->t1, 0, memory_order_relaxed);
     rg->n_tasks += n;
-    rg->other_work = 1;          /* region_add_mm takes it back for its products */
+    rg->unsized = 1;
+}
+
+/* region_add for tasks that read about `bytes` in all (weights and rows):
+ * a region of only such tasks, and little of it, runs on the caller. */
+static void region_add_sized(region *rg, task_fn fn, void *ctx, int arg, int n, int device, size_t bytes) {
+    int unsized = rg->unsized;
+    region_add(rg, fn, ctx, arg, n, device);
+    rg->unsized = unsized;
+    if (n > 0) rg->work += bytes;
 }
 
 /* ---- matrix products as region tasks ---- */
@@ -5733,7 +5742,11 @@ static void mm_chunk_task(void *ctx, int arg, int c, int worker) {
 #define MM_TASK_BYTES (256u << 10)         /* weights a product's task reads          */
 #define MM_STREAM_TASK_BYTES (1024u << 10) /* ... when it has at most MM_STREAM_MAX_N tokens */
 #define MM_STREAM_MAX_N 2
-#define MM_SPLIT_MIN_BYTES (256u << 10)   /* weight bytes x tokens below which a product is one task */
+/* Work that reads fewer bytes than this (weights x tokens, or rows) takes a
+ * few microseconds at cache speed: less than handing it to another worker
+ * costs.  A product this small is one task, and a region of only such work
+ * runs on its caller (on the trained model, every region of a decode step). */
+#define SMALL_WORK_BYTES (256u << 10)
 #define SMALL_TASK_MACS (4u << 20)    /* a prefill task beside decode: ~0.2-0.5 ms on a core */
 #define SMALL_TASK_TOKENS 64        /* ... and its tokens, when the products allow it */
 
@@ -5752,7 +5765,7 @@ static void region_add_mm(region *rg, int n_workers, mm_job *jb, int device) {
     int nc = (int)((bytes + per_task - 1) / per_task);
     int by_rows = (jb->w->rows + 15) / 16;
     int spread = n_workers > 1 ? (streams ? 1 : 2) * n_workers : 1;
-    if (bytes * (size_t)jb->n < MM_SPLIT_MIN_BYTES) spread = 1;   /* less work than handing it over */
+    if (bytes * (size_t)jb->n < SMALL_WORK_BYTES) spread = 1;   /* less work than handing it over */
     if (nc < spread) nc = spread;
     if (nc > by_rows) nc = by_rows;
     if (nc < 1) nc = 1;
@@ -5783,10 +5796,8 @@ static void region_add_mm(region *rg, int n_workers, mm_job *jb, int device) {
         t = t < 4 ? 4 : t & ~3;
         if (t < jb->n) jb->tok_chunk = t;
     }
-    int other = rg->other_work;
-    region_add(rg, mm_chunk_task, jb, 0, jb->n_row_chunks * ((jb->n + jb->tok_chunk - 1) / jb->tok_chunk), device);
-    rg->other_work = other;
-    rg->mm_work += bytes * (size_t)jb->n;
+    region_add_sized(rg, mm_chunk_task, jb, 0, jb->n_row_chunks * ((jb->n + jb->tok_chunk - 1) / jb->tok_chunk), device,
+                     bytes * (size_t)jb->n);
 }
 
 /* ---- per-microbatch working memory (carved from the pool) ---- */
@@ -6099,7 +6110,7 @@ static void region_run(region *rg) {
     /* prefill helps its own region only while decode is idle */
     int helps = rg->lane == LANE_DECODE || e->time_shared || !atomic_load_explicit(&e->lanes->decode_busy, memory_order_relaxed);
     if (rg->n_tasks > 0 && e->pinned) gl_pool_run_pinned(e->pool_threads, region_task_device, rg);
-    else if (rg->n_tasks > 0 && helps && !rg->other_work && rg->mm_work < MM_SPLIT_MIN_BYTES)
+    else if (rg->n_tasks > 0 && helps && !rg->unsized && rg->work < SMALL_WORK_BYTES)
         for (int t = 0; t < rg->n_tasks; t++) region_task(rg, t, rg->caller);   /* less work than a handover */
     else if (rg->n_tasks > 0) lane_run(e->lanes, rg->lane, rg->n_tasks, region_task, rg, rg->caller, helps);
     if (e->trace) {
@@ -6119,8 +6130,8 @@ static void region_run(region *rg) {
         pthread_mutex_unlock(&e->trace_mu);
     }
     rg->n_groups = rg->n_tasks = 0;
-    rg->mm_work = 0;
-    rg->other_work = 0;
+    rg->work = 0;
+    rg->unsized = 0;
 }
 
 /* A span on a peer's own track (after the devices'): its steps. */
@@ -6952,6 +6963,15 @@ static void t_combine(void *ctx, int en, int c, int worker) {
 
 /* ---- the operations ---- */
 
+/* Bytes of one token's absorbed products over every head (uv: W_uv, else
+ * W_uk^T), in the type they are used in: t_absorb's and t_uv's size. */
+static size_t head_bytes(const op *o, int uv) {
+    const layer_w *L = &o->e->m->layers[o->layer];
+    const layer_q8 *Q = op_q8(o);
+    const gl_mat *w = uv ? (Q ? &Q->w_uv[0] : &L->w_uv[0]) : (Q ? &Q->w_uk_t[0] : &L->w_uk_t[0]);
+    return (size_t)o->e->m->hp.n_heads * (size_t)w->rows * gl_row_bytes(w->type, w->cols);
+}
+
 static int attn_stage(op *o, region *rg) {
     microbatch *mb = o->mb;
     const hparams *hp = &o->e->m->hp;
@@ -6980,7 +7000,7 @@ static int attn_stage(op *o, region *rg) {
         op_mm_rows(o, rg, Q ? &Q->wq_b : &L->wq_b, s->qa, s->qaq, s->qas, hp->q_lora, s->q, H * qk);
         return 1;
     case 4:
-        FOR_GROUPS(mb, g) region_add(rg, t_absorb, o, g, H, mb->groups[g].device);
+        FOR_GROUPS(mb, g) region_add_sized(rg, t_absorb, o, g, H, mb->groups[g].device, head_bytes(o, 0) * (size_t)mb->groups[g].n);
         return 1;
     case 5:
         core_tiles(mb);
@@ -7008,7 +7028,7 @@ static int attn_stage(op *o, region *rg) {
                        mb->groups[g].device);
         return 1;
     case 6:
-        FOR_GROUPS(mb, g) region_add(rg, t_uv, o, g, H, mb->groups[g].device);
+        FOR_GROUPS(mb, g) region_add_sized(rg, t_uv, o, g, H, mb->groups[g].device, head_bytes(o, 1) * (size_t)mb->groups[g].n);
         return 1;
     case 7:
         if (!Q) continue;
@@ -7106,7 +7126,8 @@ static int moe_stage(op *o, region *rg) {
         if (!e->cfg.int8_dispatch == !Q) continue;
         rg->name = "experts";
         for (int i = 0; i < pl->n_entries && ord[i] >= 0; i++)
-            region_add(rg, t_recv_prep, o, ord[i], entry_tasks(s, ord[i]), dev[ord[i]]);
+            region_add_sized(rg, t_recv_prep, o, ord[i], entry_tasks(s, ord[i]), dev[ord[i]],
+                             (size_t)s->entry_count[ord[i]] * (size_t)D * 5);
         return 1;
     case 5:                                   /* each expert over all rows it received */
         rg->name = "experts";
@@ -7122,7 +7143,8 @@ static int moe_stage(op *o, region *rg) {
     case 6:
         rg->name = "experts";
         for (int i = 0; i < pl->n_entries && ord[i] >= 0; i++)
-            region_add(rg, t_silu_entry, o, ord[i], entry_tasks(s, ord[i]), dev[ord[i]]);
+            region_add_sized(rg, t_silu_entry, o, ord[i], entry_tasks(s, ord[i]), dev[ord[i]],
+                             (size_t)s->entry_count[ord[i]] * (size_t)W * 12);
         return 1;
     case 7:
         rg->name = "experts";
@@ -7137,7 +7159,8 @@ static int moe_stage(op *o, region *rg) {
     case 8:
         rg->name = "combine";
         for (int i = 0; i < pl->n_entries && ord[i] >= 0; i++)
-            region_add(rg, t_combine, o, ord[i], entry_tasks(s, ord[i]), dev[ord[i]]);
+            region_add_sized(rg, t_combine, o, ord[i], entry_tasks(s, ord[i]), dev[ord[i]],
+                             (size_t)s->entry_count[ord[i]] * (size_t)D * 8);
         return 1;
     default:
         mb->pending = PEND_COMBINE;
