@@ -5267,10 +5267,9 @@ int cm384_token_eos(const cm384_model *m) {
 
 /* ---- 5.1 small pieces ---- */
 
-/* x * rsqrt(mean(x^2) + eps) * w, in fp32 (DeepSeek's RMSNorm). */
-/* The sum of squares is the kernel set's dot product: its fixed order,
- * vectorized, instead of one chain of n dependent adds (a microsecond a
- * 1024-wide row, several a token and layer). */
+/* x * rsqrt(mean(x^2) + eps) * w, in fp32 (DeepSeek's RMSNorm).  The sum of
+ * squares is the kernel set's dot product -- its fixed order, vectorized --
+ * not one chain of n dependent adds (a microsecond a 1024-wide row). */
 static void rmsnorm(const gl_kernels *k, float *out, const float *x, const float *w, int n, float eps) {
     float ss = k->dot(x, x, n);
     float inv = 1.0f / sqrtf(ss / (float)n + eps);
@@ -5686,7 +5685,10 @@ static void region_break(region *rg, const char *why) {
     if (!rg->broken) rg->broken = why;
 }
 
-static void region_add(region *rg, task_fn fn, void *ctx, int arg, int n, int device) {
+/* Adds a group of n tasks that read about `bytes` in all (weights and
+ * rows); a region of only such groups, and little of it, runs on its caller
+ * (region_run). */
+static void region_add_sized(region *rg, task_fn fn, void *ctx, int arg, int n, int device, size_t bytes) {
     if (n <= 0 || rg->broken) return;
     if (rg->n_groups == rg->cap) {       /* sized at engine creation for the worst case */
         region_break(rg, "a parallel region has more task groups than it was sized for");
@@ -5699,16 +5701,14 @@ static void region_add(region *rg, task_fn fn, void *ctx, int arg, int n, int de
     atomic_store_explicit(&g->t0, UINT64_MAX, memory_order_relaxed);
     atomic_store_explicit(&g->t1, 0, memory_order_relaxed);
     rg->n_tasks += n;
-    rg->unsized = 1;
+    rg->work += bytes;
 }
 
-/* region_add for tasks that read about `bytes` in all (weights and rows):
- * a region of only such tasks, and little of it, runs on the caller. */
-static void region_add_sized(region *rg, task_fn fn, void *ctx, int arg, int n, int device, size_t bytes) {
-    int unsized = rg->unsized;
-    region_add(rg, fn, ctx, arg, n, device);
-    rg->unsized = unsized;
-    if (n > 0) rg->work += bytes;
+/* A group of tasks of no stated size: its region goes to the workers. */
+static void region_add(region *rg, task_fn fn, void *ctx, int arg, int n, int device) {
+    int before = rg->n_groups;
+    region_add_sized(rg, fn, ctx, arg, n, device, 0);
+    if (rg->n_groups > before) rg->unsized = 1;
 }
 
 /* ---- matrix products as region tasks ---- */
