@@ -3399,7 +3399,8 @@ static int parse_config(const json *cfg, const char *path, hparams *hp) {
                         path, hp->n_group, hp->topk_group, hp->n_routed);
         if (hp->top_k > 64 || hp->n_routed > 1024 || hp->n_group > 256)
             return fail(CM384_E_UNSUPPORTED, "%s: more than 64 experts per token, 1024 experts or 256 groups", path);
-    }
+    } else hp->top_k = hp->moe_inter = hp->n_shared = 0;   /* no routed experts: the MoE numbers mean
+                                                               nothing, and would size scratch */
     if (hp->n_dense > 0 || hp->n_routed == 0)
         if (hp->inter <= 0) return fail(CM384_E_FORMAT, "%s: intermediate_size missing", path);
     if (hp->n_mtp > 1) hp->n_mtp = 1;   /* only the first MTP module is used */
@@ -4482,7 +4483,8 @@ static int gguf_hparams(const gguf_cfg *c, const tensor_table *tt, hparams *hp) 
                         c->path, hp->n_group, hp->topk_group, hp->n_routed);
         if (hp->top_k > 64 || hp->n_routed > 1024 || hp->n_group > 256)
             return fail(CM384_E_UNSUPPORTED, "%s: more than 64 experts per token, 1024 experts or 256 groups", c->path);
-    }
+    } else hp->top_k = hp->moe_inter = hp->n_shared = 0;   /* no routed experts: the MoE numbers mean
+                                                               nothing, and would size scratch */
     if ((hp->n_dense > 0 || hp->n_routed == 0) && hp->inter <= 0)
         return fail(CM384_E_FORMAT, "%s: feed_forward_length missing", c->path);
     const gguf_kv *b = gguf_find(c->g, "tokenizer.ggml.bos_token_id"), *e = gguf_find(c->g, "tokenizer.ggml.eos_token_id");

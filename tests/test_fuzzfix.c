@@ -251,9 +251,50 @@ static void ff_nested_repeat(void) {
     free(json); free(text); free(back);
 }
 
+/* A GGUF model with no routed experts whose expert_used_count said 2^26:
+ * the loader checked the MoE numbers only when there were routed experts,
+ * and engine creation sized scratch by them -- a 1 TB pool for a 79 KB
+ * file (the gguf harness, 8.1 M runs: ASan's allocator gave up; a plain
+ * build failed with CM384_E_NOMEM).  With no routed experts the loader now
+ * zeroes the experts per token, their width and the shared experts. */
+static void ff_dense_moe_numbers(void) {
+    printf("a dense model's MoE numbers:\n");
+    const char *path = "tests/fuzz/corpus/gguf/crash-dense-topk.gguf";
+    cm384_model *m = NULL;
+    int r = cm384_model_load(path, NULL, &m);
+    CHECK(r == CM384_OK, "%s: %s", path, cm384_last_error());
+    if (r) return;
+    CHECK(m->hp.n_routed == 0 && m->hp.top_k == 0 && m->hp.moe_inter == 0 && m->hp.n_shared == 0,
+          "routed %d, per token %d, width %d, shared %d", m->hp.n_routed, m->hp.top_k, m->hp.moe_inter, m->hp.n_shared);
+    cm384_config c;
+    cm384_config_init(&c);
+    c.preset = "single"; c.n_devices = 1; c.n_workers = 1; c.max_ctx = 8; c.max_batch = 1;
+    c.kv_pool_bytes = 1 << 20;
+    cm384_engine *e = NULL;
+    r = cm384_engine_create(m, &c, &e);
+    CHECK(r == CM384_OK, "engine: %s", cm384_last_error());
+    if (r == CM384_OK) {
+        cm384_stats st;
+        memset(&st, 0, sizeof st);
+        st.struct_size = sizeof st;
+        cm384_get_stats(e, &st);
+        CHECK(st.pool_bytes < (16u << 20), "pool %llu bytes", (unsigned long long)st.pool_bytes);
+        int V = cm384_vocab_size(m);
+        int32_t in[3] = {0, V > 1 ? 1 : 0, V - 1};
+        float *lg = malloc(sizeof(float) * 3 * (size_t)V);
+        r = lg ? cm384_eval(e, in, 3, lg, NULL) : CM384_E_NOMEM;
+        CHECK(r == CM384_OK, "a forward pass: %s", cm384_last_error());
+        printf("  %s: pool %.1f MB, a 3-token forward pass %s\n", path, st.pool_bytes / 1e6, r ? "failed" : "ran");
+        free(lg);
+        cm384_engine_free(e);
+    }
+    cm384_model_free(m);
+}
+
 TEST_MAIN(fuzzfix) {
     ff_misaligned_16bit();
     ff_config_numbers();
     ff_nested_repeat();
+    ff_dense_moe_numbers();
     return test_summary("fuzzfix");
 }
