@@ -7123,6 +7123,9 @@ static int moe_stage(op *o, region *rg) {
         o->n_jobs = 0;
         if (at_source) op_mm_rows(o, rg, &SH->down, s->ffa, s->ffq, s->ffs, SI, s->comb + (size_t)K * D, (K + 1) * D);
         return 1;
+    /* the experts' elementwise groups below are sized by the bytes a row
+       moves: receive 4 + 1 (fp32 in, int8 out), SiLU 3 x 4 (gate, up, out),
+       combine 2 x 4 (the output row, read and written) */
     case 4:              /* receivers check every row arrived, then convert rows to what their weights take */
         moe_receive_check(o);
         if (!e->cfg.int8_dispatch == !Q) continue;
