@@ -3796,6 +3796,8 @@ typedef struct layer_w {
     gl_mat  wkv_b;                  /* kv_b_proj [H*(nope+v)][kv_lora]                        */
     gl_mat *w_uk_t;                 /* derived, per head: W_uk^T [kv_lora][nope]              */
     gl_mat *w_uv;                   /* per head: rows of wkv_b giving V, [v][kv_lora]         */
+    gl_mat *w_uk;                   /* per head: rows of wkv_b giving K_nope, [nope][kv_lora]
+                                       (expanded prefill; NULL when wkv_b is not whole rows) */
     gl_mat  wo;                     /* o_proj [dim][H*v]                                      */
     int     is_moe;
     ffn_w   dense;                  /* mlp.{gate,up,down}_proj (dense layers)                 */
@@ -3820,6 +3822,7 @@ typedef struct layer_q8 {
     ffn_w  *experts;
     gl_mat  eh_proj, head;          /* MTP layers                                 */
     gl_mat *w_uk_t, *w_uv;          /* per head: the absorbed MLA products        */
+    gl_mat *w_uk;                   /* per head: W_uk as rows (expanded prefill), or NULL */
 } layer_q8;
 
 struct cm384_model {
@@ -4009,6 +4012,25 @@ static int derive_mat(cm384_model *m, const gl_mat *src, int row0, int rows, int
     return CM384_OK;
 }
 
+/* W_uk of each head as the rows of wkv_b it is ([nope][kv_lora], no copy),
+ * for the expanded prefill (section 5.2).  fp8 block scales do not slice
+ * by rows, so an fp8 wkv_b (and a GGUF file that stores k_b apart) leaves
+ * w_uk NULL: those models attend absorbed in prefill too. */
+static int kv_b_views(cm384_model *m, layer_w *L) {
+    const hparams *hp = &m->hp;
+    L->w_uk = NULL;
+    if (!L->wkv_b.data || L->wkv_b.type == GL_F8_E4M3 || L->wkv_b.type == GL_Q8) return CM384_OK;
+    L->w_uk = arena_alloc(&m->a, (size_t)hp->n_heads * sizeof(gl_mat));
+    if (!L->w_uk) return fail(CM384_E_NOMEM, "out of memory");
+    for (int h = 0; h < hp->n_heads; h++) {
+        gl_mat k = L->wkv_b;
+        k.rows = hp->qk_nope;
+        k.data = (const uint8_t *)L->wkv_b.data + (size_t)h * (hp->qk_nope + hp->v_head) * gl_row_bytes(k.type, hp->kv_lora);
+        L->w_uk[h] = k;
+    }
+    return CM384_OK;
+}
+
 /* The layer table and the RoPE frequencies, from the hyper-parameters
  * (both loaders, before they bind the layers). */
 static int model_alloc_layers(cm384_model *m) {
@@ -4059,6 +4081,7 @@ static int bind_layer(cm384_model *m, int l) {
             L->w_uv[h] = v;
         }
     }
+    if ((r = kv_b_views(m, L))) return r;
 
     L->is_moe = layer_is_moe(hp, l);
     if (!L->is_moe) {
@@ -4555,6 +4578,7 @@ static int bind_layer_gguf(cm384_model *m, int l) {
             v.data = (const uint8_t *)L->wkv_b.data + (size_t)(base + hp->qk_nope) * gl_row_bytes(v.type, hp->kv_lora);
             L->w_uv[h] = v;
         }
+        if ((r = kv_b_views(m, L))) return r;
     }
     L->is_moe = layer_is_moe(hp, l);
     if (!L->is_moe) {
@@ -5809,6 +5833,8 @@ static void region_add_mm(region *rg, int n_workers, mm_job *jb, int device) {
 #define CORE_SLACK 8.0f   /* the core's softmax terms stay below e^8 (see t_core)         */
 #define CORE_LANES 4      /* a query's key chunks go round-robin to this many partial softmaxes */
 #define CORE_SPLIT_TILES 4 /* at most this many tiles have their lanes run as separate tasks */
+#define XKEYS 256         /* expanded prefill: keys expanded at a time (rounded up to whole blocks) */
+#define XTILE 16          /* expanded prefill: queries of one sequence a task takes together */
 
 /* What travels with each dispatched row besides its payload (and, with INT8
  * dispatch, its per-token scale): where the expert's output must go back. */
@@ -5871,6 +5897,16 @@ typedef struct fwd_scratch {
                                   per-head products ~2.5x slower per MAC)         */
     float  *qns, *ctxs;        /* [H][cap] their scales (a head's rows consecutive)     */
     int    *sel_first, *sel_n; /* [cap] per device group: its rows of hsel         */
+    /* expanded prefill (cm384_config.prefill_expanded; NULL otherwise) */
+    int     x_keys;            /* keys per chunk: whole KV blocks                  */
+    float  *xlat;              /* [x_keys][kv_lora+rope] the chunk's latent rows   */
+    int8_t *xlatq;             /* [x_keys][kv_lora] the same in INT8 (W8A8)        */
+    float  *xlats;             /* [x_keys] their scales                            */
+    float  *xk;                /* [H][x_keys][nope+rope] keys per head             */
+    float  *xv;                /* [H][x_keys][v] values per head                   */
+    float  *xqt;               /* [workers][nope+rope][XTILE] a tile's queries, transposed */
+    float  *xsc;               /* [workers][XTILE][x_keys] a tile's scores          */
+    float  *xml;               /* [cap][H][2] running max and sum per (row, head)   */
 } fwd_scratch;
 
 /* A bump allocator over the pool: everything the engine needs per token is
@@ -5884,7 +5920,7 @@ static void *carve(carver *c, size_t bytes) {
 }
 
 static void scratch_carve(carver *c, fwd_scratch *s, const hparams *hp, int cap, int block, int workers,
-                          int n_entries, int n_jobs) {
+                          int n_entries, int n_jobs, int expanded) {
     size_t C = (size_t)cap, H = (size_t)hp->n_heads, K = (size_t)(hp->top_k > 0 ? hp->top_k : 1);
     size_t D = (size_t)hp->dim, lat = (size_t)hp->kv_lora + hp->qk_rope;
     size_t inter = (size_t)hp->inter, sh = (size_t)hp->moe_inter * hp->n_shared;
@@ -5939,6 +5975,18 @@ static void scratch_carve(carver *c, fwd_scratch *s, const hparams *hp, int cap,
     s->ctxq = carve(c, C * H * hp->kv_lora); s->ctxs = F(H * C);
     s->sel_first = carve(c, C * sizeof(int));
     s->sel_n = carve(c, C * sizeof(int));
+    if (expanded) {
+        size_t X = (size_t)((XKEYS + block - 1) / block * block);
+        s->x_keys = (int)X;
+        s->xlat = F(X * lat);
+        s->xlatq = carve(c, X * hp->kv_lora);
+        s->xlats = F(X);
+        s->xk = F(H * X * (hp->qk_nope + hp->qk_rope));
+        s->xv = F(H * X * hp->v_head);
+        s->xqt = F((size_t)workers * (hp->qk_nope + hp->qk_rope) * XTILE);
+        s->xsc = F((size_t)workers * XTILE * X);
+        s->xml = F(C * H * 2);
+    }
 #undef F
 }
 
@@ -6032,6 +6080,8 @@ struct cm384_engine {
     int              *dbg_draft;             /* tests: [max_ctx] draft made at each MTP position */
     float            *dbg_amax;              /* tests, 1 worker: [layer][attn, ffn][dim] max |normed input| */
     float             core_slack;            /* CORE_SLACK; tests set 0: t_core rescales at every new max */
+    int               expanded;              /* prefill attends expanded (cm384_config.prefill_expanded) */
+    int               x_chunk;               /* tests: its keys per chunk, below the scratch's XKEYS (0: XKEYS) */
     int               mtp;                   /* speculative decoding with MTP on  */
     float            *blk_h;                 /* [blocks][dim] h at each block's end (MTP) */
     /* trace */
@@ -6234,6 +6284,9 @@ typedef struct op {
     int                  core_lanes;/* OP_ATTN: CORE_LANES when a tile's lanes are tasks of
                                        their own (few tiles), else 1                   */
     region              *rg;        /* the peer's region its stages add to              */
+    /* OP_ATTN, expanded prefill: the run of rows (one sequence) and the
+       chunk of its keys being attended, and the run's tiles */
+    int                  x_r0, x_r1, x_keys, x_c0, x_c1, x_t0, x_t1, x_dev;
 } op;
 
 static mm_job *op_job(op *o) {
@@ -6649,8 +6702,8 @@ static void core_fold_split(op *o, int g, int h) {
 }
 
 /* Cuts each device group's rows into attention-core tiles: runs of
- * consecutive positions of one sequence, at most CORE_TILE long. */
-static void core_tiles(microbatch *mb) {
+ * consecutive positions of one sequence, at most max_len long. */
+static void core_tiles(microbatch *mb, int max_len) {
     fwd_scratch *s = mb->s;
     int n = 0;
     FOR_GROUPS(mb, g) {
@@ -6658,7 +6711,7 @@ static void core_tiles(microbatch *mb) {
         int end = mb->groups[g].first + mb->groups[g].n;
         for (int r = mb->groups[g].first; r < end;) {
             int len = 1;
-            while (r + len < end && len < CORE_TILE && mb->tables[r + len] == mb->tables[r] &&
+            while (r + len < end && len < max_len && mb->tables[r + len] == mb->tables[r] &&
                    mb->pos[r + len] == mb->pos[r] + len)
                 len++;
             s->tile_row[n] = r;
@@ -6691,6 +6744,168 @@ static void t_uv(void *ctx, int g, int h, int worker) {
     } else {
         o->e->k->matmul(&L->w_uv[h], c, gr->n, R, y, H * hp->v_head, 0, hp->v_head);
     }
+}
+
+/* ---- expanded prefill: DeepSeek's "naive" MLA ----
+ * Absorbed attention dots each query with whole latent rows (576 values a
+ * key and head, 512 more for the weighted sum).  A prompt has many queries
+ * for each key, so prefill can instead expand each key once per head --
+ * K_nope = W_uk c and V = W_uv c from its latent c -- and attend with head
+ * dimension 192 (128 for the values): about a third of the core's work,
+ * paid for by two products over the keys (cm384_config.prefill_expanded).
+ * Keys go in chunks of XKEYS (fixed by KV slot, so the running softmax of
+ * every (query, head) meets the same chunks in the same order, whatever the
+ * batch): a chunk's latent rows are gathered (t_xgather), expanded per head
+ * (t_xexpand: K transposed so the scores kernel takes 16 keys a vector),
+ * then every tile of XTILE queries attends to it, one head a task
+ * (t_xattend), keeping its running max, sum and unnormalized output in the
+ * rows' att and xml; t_xnorm divides at the end. */
+
+/* Rows [r0, r0 + n) of one sequence: q_pe rotated in place (the absorbed
+ * path rotates its copy), outputs and running sums cleared. */
+static void t_xinit(void *ctx, int g, int t, int worker) {
+    (void)worker;
+    op *o = ctx;
+    microbatch *mb = o->mb;
+    const hparams *hp = &o->e->m->hp;
+    int H = hp->n_heads, qk = hp->qk_nope + hp->qk_rope, r = mb->groups[g].first + t;
+    for (int h = 0; h < H; h++) {
+        rope(mb->s->q + ((size_t)r * H + h) * qk + hp->qk_nope, mb->s->rope_cs + (size_t)r * hp->qk_rope, hp->qk_rope);
+        float *ml = mb->s->xml + ((size_t)r * H + h) * 2;
+        ml[0] = -INFINITY;
+        ml[1] = 0;
+    }
+    memset(mb->s->att + (size_t)r * H * hp->v_head, 0, (size_t)H * hp->v_head * sizeof(float));
+}
+
+/* The chunk's latent rows, one KV block's run a task, into xlat as fp32. */
+static void t_xgather(void *ctx, int arg, int task, int worker) {
+    (void)arg; (void)worker;
+    op *o = ctx;
+    microbatch *mb = o->mb;
+    const kv_pool *kv = &o->e->kv;
+    int B = kv->block_tokens, sh = mb->kv_shift, lat = kv->row;
+    int j0 = o->x_c0 + task * B - (task ? (o->x_c0 + sh) % B : 0), j1 = j0 + B - (j0 + sh) % B;
+    if (j1 > o->x_c1) j1 = o->x_c1;
+    const void *rows = kv_row(kv, mb->tables[o->x_r0], o->layer, j0 + sh);
+    float *dst = mb->s->xlat + (size_t)(j0 - o->x_c0) * lat;
+    if (kv->bf16)
+        for (size_t i = 0; i < (size_t)(j1 - j0) * lat; i++) dst[i] = gl_bf16_to_f32(((const uint16_t *)rows)[i]);
+    else
+        memcpy(dst, rows, (size_t)(j1 - j0) * lat * sizeof(float));
+    const layer_q8 *Q = op_q8(o);
+    int R = o->e->m->hp.kv_lora;
+    if (Q && Q->w_uk)   /* W8A8: each latent quantized, as t_uv quantizes the attended ones */
+        o->e->k->quantize_q8(dst, j1 - j0, R, lat, mb->s->xlatq + (size_t)(j0 - o->x_c0) * R, R, mb->s->xlats + (j0 - o->x_c0));
+}
+
+/* Head h's keys and values for the chunk: K = [W_uk c, k_pe] (192 values
+ * a key) and V = W_uv c, each a row per key. */
+static void t_xexpand(void *ctx, int arg, int h, int worker) {
+    (void)arg; (void)worker;
+    op *o = ctx;
+    fwd_scratch *s = o->mb->s;
+    const hparams *hp = &o->e->m->hp;
+    const layer_w *L = &o->e->m->layers[o->layer];
+    int nk = o->x_c1 - o->x_c0, X = s->x_keys, nope = hp->qk_nope, qk = nope + hp->qk_rope;
+    int R = hp->kv_lora, lat = R + hp->qk_rope;
+    float *kr = s->xk + (size_t)h * X * qk, *v = s->xv + (size_t)h * X * hp->v_head;
+    const layer_q8 *Q = op_q8(o);
+    if (Q && Q->w_uk) {
+        o->e->k->matmul_q8(&Q->w_uk[h], s->xlatq, s->xlats, nk, R, kr, qk, 0, nope);
+        o->e->k->matmul_q8(&Q->w_uv[h], s->xlatq, s->xlats, nk, R, v, hp->v_head, 0, hp->v_head);
+    } else {
+        o->e->k->matmul(&L->w_uk[h], s->xlat, nk, lat, kr, qk, 0, nope);
+        o->e->k->matmul(&L->w_uv[h], s->xlat, nk, lat, v, hp->v_head, 0, hp->v_head);
+    }
+    for (int j = 0; j < nk; j++)
+        memcpy(kr + (size_t)j * qk + nope, s->xlat + (size_t)j * lat + R, (size_t)hp->qk_rope * sizeof(float));
+}
+
+/* One tile of queries and one head against the chunk: the scores (the
+ * tile's queries are the kernel's lanes, each key row read once for all of
+ * them), each query's running softmax, and the values it weights.  Keys
+ * past a query (causal) get weight 0, which adds nothing. */
+static void t_xattend(void *ctx, int g, int task, int worker) {
+    op *o = ctx;
+    microbatch *mb = o->mb;
+    struct cm384_engine *e = o->e;
+    fwd_scratch *s = mb->s;
+    const hparams *hp = &e->m->hp;
+    const gl_kernels *k = e->k;
+    int H = hp->n_heads, qk = hp->qk_nope + hp->qk_rope, V = hp->v_head, X = s->x_keys;
+    int first = s->tile_first[g] > o->x_t0 ? s->tile_first[g] : o->x_t0;
+    int tile = first + task / H, h = task % H;
+    int r0 = s->tile_row[tile], nq = s->tile_n[tile], c0 = o->x_c0, nk = o->x_c1 - c0;
+    float scale = e->m->attn_scale, slack = e->core_slack / scale;
+    float *sc = s->xsc + (size_t)worker * XTILE * X, *qt = s->xqt + (size_t)worker * qk * XTILE;
+    for (int c = 0; c < qk; c++)
+        for (int q = 0; q < nq; q++) qt[c * nq + q] = s->q[((size_t)(r0 + q) * H + h) * qk + c];
+    k->dot_rows_t(sc, X, qt, nq, nq, s->xk + (size_t)h * X * qk, qk, nk, qk);
+    int most = 0;
+    for (int q = 0; q < nq; q++) {
+        int m = mb->pos[r0 + q] + 1 - c0;                    /* keys of the chunk it sees */
+        if (m > nk) m = nk;
+        float *p = sc + (size_t)q * X;
+        if (m <= 0) {
+            memset(p, 0, (size_t)nk * sizeof(float));
+            continue;
+        }
+        if (m > most) most = m;
+        float *ml = s->xml + ((size_t)(r0 + q) * H + h) * 2, *out = s->att + ((size_t)(r0 + q) * H + h) * V, bm = p[0];
+        for (int j = 1; j < m; j++) if (p[j] > bm) bm = p[j];
+        if (ml[1] == 0) ml[0] = bm;                              /* its first keys set the shift */
+        else if (bm > ml[0] + slack) {                           /* raise it: scale what came before */
+            float f = expf(scale * (ml[0] - bm));
+            ml[1] *= f;
+            for (int i = 0; i < V; i++) out[i] *= f;
+            ml[0] = bm;
+        }
+        ml[1] += k->exp_sum(p, m, scale, ml[0]);
+        if (m < nk) memset(p + m, 0, (size_t)(nk - m) * sizeof(float));
+    }
+    if (most)
+        k->axpy_rows_n(s->att + ((size_t)r0 * H + h) * V, H * V, s->xv + (size_t)h * X * V, V, sc, X, nq, most, V);
+}
+
+/* Each (row, head)'s output divided by its softmax sum. */
+static void t_xnorm(void *ctx, int g, int t, int worker) {
+    (void)worker;
+    op *o = ctx;
+    microbatch *mb = o->mb;
+    const hparams *hp = &o->e->m->hp;
+    int H = hp->n_heads, r = mb->groups[g].first + t;
+    for (int h = 0; h < H; h++) {
+        const float *ml = mb->s->xml + ((size_t)r * H + h) * 2;
+        if (ml[1] > 0) core_normalize(mb->s->att + ((size_t)r * H + h) * hp->v_head, ml, hp->v_head);
+    }
+}
+
+/* The next chunk of keys to attend (from o->x_c1 on), moving to the next
+ * run of rows (one sequence) when a run's keys are done; 0 when all are. */
+static int xchunk_next(op *o) {
+    microbatch *mb = o->mb;
+    fwd_scratch *s = mb->s;
+    int X = o->e->x_chunk > 0 && o->e->x_chunk < s->x_keys ? o->e->x_chunk : s->x_keys, sh = mb->kv_shift;
+    if (o->x_r1 > o->x_r0 && o->x_c1 < o->x_keys) {
+        o->x_c0 = o->x_c1;
+    } else {
+        o->x_r0 = o->x_r1;
+        if (o->x_r0 >= mb->n) return 0;
+        o->x_r1 = o->x_r0 + 1;
+        o->x_keys = mb->pos[o->x_r0] + 1;
+        while (o->x_r1 < mb->n && mb->tables[o->x_r1] == mb->tables[o->x_r0]) {
+            if (mb->pos[o->x_r1] + 1 > o->x_keys) o->x_keys = mb->pos[o->x_r1] + 1;
+            o->x_r1++;
+        }
+        int n_tiles = s->tile_first[mb->n_groups];
+        for (o->x_t0 = 0; o->x_t0 < n_tiles && s->tile_row[o->x_t0] < o->x_r0; o->x_t0++) {}
+        for (o->x_t1 = o->x_t0; o->x_t1 < n_tiles && s->tile_row[o->x_t1] < o->x_r1; o->x_t1++) {}
+        o->x_c0 = 0;
+    }
+    o->x_c1 = o->x_c0 + X - (o->x_c0 + sh) % X;               /* the chunk's end, by slot */
+    if (o->x_c1 > o->x_keys) o->x_c1 = o->x_keys;
+    return 1;
 }
 
 static void t_route(void *ctx, int g, int t, int worker) {
@@ -7002,10 +7217,14 @@ static int attn_stage(op *o, region *rg) {
         op_mm_rows(o, rg, Q ? &Q->wq_b : &L->wq_b, s->qa, s->qaq, s->qas, hp->q_lora, s->q, H * qk);
         return 1;
     case 4:
+        if (o->e->expanded && mb->phase == PHASE_PREFILL && L->w_uk && s->xk) {
+            o->stage = 20;
+            continue;
+        }
         FOR_GROUPS(mb, g) region_add_sized(rg, t_absorb, o, g, H, mb->groups[g].device, head_bytes(o, 0) * (size_t)mb->groups[g].n);
         return 1;
     case 5:
-        core_tiles(mb);
+        core_tiles(mb, CORE_TILE);
         {   /* enough tasks for every worker, about two each: when tiles are
                few, their lanes run as tasks of their own (each reads its part
                of the latent cache), then heads are split (each split reads
@@ -7039,6 +7258,38 @@ static int attn_stage(op *o, region *rg) {
     case 8:
         o->n_jobs = 0;
         op_mm_rows(o, rg, Q ? &Q->wo : &L->wo, s->att, s->attq, s->atts, H * hp->v_head, s->tmp, D);
+        return 1;
+    /* expanded prefill (instead of 4-6): see t_xattend */
+    case 20:
+        core_tiles(mb, XTILE);
+        o->x_r0 = o->x_r1 = o->x_c1 = 0;
+        FOR_GROUPS(mb, g) region_add(rg, t_xinit, o, g, mb->groups[g].n, mb->groups[g].device);
+        return 1;
+    case 21: {
+        if (!xchunk_next(o)) {
+            o->stage = 24;
+            continue;
+        }
+        int B = o->e->kv.block_tokens, sh = mb->kv_shift, dev = mb->groups[0].device;
+        FOR_GROUPS(mb, g) if (mb->groups[g].first <= o->x_r0) dev = mb->groups[g].device;
+        region_add(rg, t_xgather, o, 0, (o->x_c1 - 1 + sh) / B - (o->x_c0 + sh) / B + 1, dev);
+        o->x_dev = dev;
+        return 1;
+    }
+    case 22:
+        region_add(rg, t_xexpand, o, 0, H, o->x_dev);
+        return 1;
+    case 23:
+        FOR_GROUPS(mb, g) {
+            int t0 = s->tile_first[g] > o->x_t0 ? s->tile_first[g] : o->x_t0;
+            int t1 = s->tile_first[g + 1] < o->x_t1 ? s->tile_first[g + 1] : o->x_t1;
+            if (t1 > t0) region_add(rg, t_xattend, o, g, (t1 - t0) * H, mb->groups[g].device);
+        }
+        o->stage = 21;
+        return 1;
+    case 24:
+        FOR_GROUPS(mb, g) region_add(rg, t_xnorm, o, g, mb->groups[g].n, mb->groups[g].device);
+        o->stage = 7;
         return 1;
     default:
         mb->pending = PEND_ADD_TMP;
@@ -7877,12 +8128,15 @@ static void q8_walk(cm384_model *m, layer_q8 *q8, q8_plan *pl) {
             Q->w_uk_t = arena_alloc(&m->q8_arena, (size_t)hp->n_heads * sizeof(gl_mat));
             Q->w_uv = arena_alloc(&m->q8_arena, (size_t)hp->n_heads * sizeof(gl_mat));
             if (!Q->w_uk_t || !Q->w_uv) { pl->status = fail(CM384_E_NOMEM, "out of memory for INT8 weights"); break; }
+            Q->w_uk = L->w_uk ? arena_alloc(&m->q8_arena, (size_t)hp->n_heads * sizeof(gl_mat)) : NULL;
+            if (L->w_uk && !Q->w_uk) { pl->status = fail(CM384_E_NOMEM, "out of memory for INT8 weights"); break; }
         }
         pl->replaced += stored_bytes(&L->wkv_b);
         for (int h = 0; h < hp->n_heads; h++) {
             gl_mat d1, d2;
             q8_add(m, pl, &L->w_uk_t[h], q8 ? &Q->w_uk_t[h] : &d1, 0);
             q8_add(m, pl, &L->w_uv[h], q8 ? &Q->w_uv[h] : &d2, 0);
+            if (L->w_uk) q8_add(m, pl, &L->w_uk[h], q8 ? &Q->w_uk[h] : &d1, 0);
         }
         if (L->is_moe) {
             if (q8 && !(Q->experts = arena_alloc(&m->q8_arena, (size_t)hp->n_routed * sizeof(ffn_w)))) {
@@ -9708,7 +9962,7 @@ static int cache_dir_open(struct cm384_engine *e, const char *dir) {
     const cm384_config *c = &e->cfg;
     uint64_t fp = model_fingerprint(e->m);
     fp = mix64(fp ^ (uint64_t)(c->int8 > 0) ^ (uint64_t)(c->int8_dispatch > 0) << 1 ^ (uint64_t)e->bf16_combine << 2 ^
-               (uint64_t)e->mtp << 3 ^ (uint64_t)e->kv.bf16 << 4 ^ (uint64_t)e->kv.block_tokens << 8 ^ (uint64_t)CORE_LANES << 24);
+               (uint64_t)e->mtp << 3 ^ (uint64_t)e->kv.bf16 << 4 ^ (uint64_t)e->expanded << 5 ^ (uint64_t)e->kv.block_tokens << 8 ^ (uint64_t)CORE_LANES << 24);
     fp = mix64(fp ^ hash_str(e->k->name, strlen(e->k->name)));   /* fp32 sums differ in the last bits across kernel sets */
     uint32_t slack;
     memcpy(&slack, &e->core_slack, 4);
@@ -10524,6 +10778,8 @@ int cm384_report(cm384_engine *e, char *buf, size_t cap) {
               "exact (weights as stored, fp32 dispatch, combine and KV cache: the reference's results)",
               e->cfg.int8 ? " INT8 W8A8 weights" : "", e->cfg.int8_dispatch ? " INT8 dispatch" : "",
               e->bf16_combine ? " BF16 combine" : "", e->kv.bf16 ? " BF16 KV cache" : "");
+    if (e->expanded)
+        sb_printf(&b, "  prefill attends expanded (K and V per head, DeepSeek's naive MLA; decode absorbed: other rounding)\n");
     sb_printf(&b, "requests: %llu done, %llu cancelled, %llu failed, %llu preempted\n",
               (unsigned long long)st.requests_done, (unsigned long long)st.requests_cancelled,
               (unsigned long long)st.requests_failed, (unsigned long long)st.requests_preempted);
@@ -10808,6 +11064,7 @@ static int config_resolve(cm384_config *c, const hparams *hp, const char *preset
     RANGE(bf16_combine, -1, 1);
     RANGE(time_shared, 0, 1);
     RANGE(kv_bf16, 0, 1);
+    RANGE(prefill_expanded, 0, 1);
 #undef RANGE
     if (!(c->tpot_target_ms >= 0) || isinf(c->tpot_target_ms))
         return fail(CM384_E_INVALID, "config.tpot_target_ms = %g is not a finite value >= 0", c->tpot_target_ms);
@@ -10834,7 +11091,7 @@ static void carve_peer(struct cm384_engine *e, peer *P, carver *c, int n_entries
     int V = hp->vocab, cap = P->step_cap, W = e->n_workers + 1;          /* + the prefill loop's thread */
     int max_groups = e->n_dev < cap ? e->n_dev : cap;
     int n_jobs = 3 * max_groups + 2 * n_entries + 8;
-    for (int i = 0; i < 2; i++) scratch_carve(c, &P->s[i], hp, cap, e->kv.block_tokens, W, n_entries, n_jobs);
+    for (int i = 0; i < 2; i++) scratch_carve(c, &P->s[i], hp, cap, e->kv.block_tokens, W, n_entries, n_jobs, e->expanded);
     P->logits = carve(c, (size_t)P->rows_cap * V * sizeof(float));
     P->cands = carve(c, (size_t)W * V * sizeof(cand));
     for (int i = 0; i < 2; i++) {
@@ -11009,6 +11266,7 @@ int cm384_engine_create(const cm384_model *m, const cm384_config *cfg, cm384_eng
         kv->n_layers = hp->n_layers + hp->n_mtp;
         kv->row = hp->kv_lora + hp->qk_rope;
         kv->bf16 = c.kv_bf16 > 0;
+        e->expanded = c.prefill_expanded > 0;
         kv->row_bytes = (size_t)kv->row * (kv->bf16 ? 2 : 4);
         kv->block_bytes = (size_t)kv->n_layers * kv->block_tokens * kv->row_bytes;
         size_t block_bytes = kv->block_bytes;

@@ -453,6 +453,20 @@ typedef struct cm384_config {
                                       they are, widened to fp32 exactly in its
                                       kernels: at long context decode is faster
                                       (half the bytes).  0 (default): fp32, exact */
+    int          prefill_expanded; /* 1: prefill attends as DeepSeek's "naive" MLA:
+                                      each chunk of cached latents is expanded to
+                                      per-head K and V (W_uk, W_uv) and the queries
+                                      attend with head dimension 192 (values 128)
+                                      instead of 576 (512) -- a third of the core's
+                                      work, so long prompts prefill much faster.
+                                      The same model, but other rounding than the
+                                      absorbed form decode uses: a token's logits
+                                      then depend (in the last bits) on whether it
+                                      was prefilled or decoded, so recomputed or
+                                      cached tokens may differ.  Models whose
+                                      kv_b_proj is fp8 or split attend absorbed.
+                                      0 (default): absorbed everywhere, exact and
+                                      the same bits in every path                   */
 } cm384_config;
 
 CM384_API void cm384_config_init(cm384_config *c);

@@ -39,7 +39,7 @@ typedef struct opts {
     int         n_args;
     int         n_tokens, n_prompt, threads, devices, max_ctx, top, microbatches;
     int         requests, concurrency, tenants, top_k, eplb_period, arrivals, arrival_count;
-    int         bf16_combine, time_shared, skewed, kv_bf16;
+    int         bf16_combine, time_shared, skewed, kv_bf16, prefill_expanded;
     struct { int device, kind; unsigned long long step; } fails[16];   /* --fail, in order */
     int         n_fails;
     int         report, json, int8, int8_dispatch, mtp, bos, quiet, verbose, check_values, progress, no_warmup;
@@ -95,6 +95,7 @@ static const option options[] = {
     {"--bf16-combine", C_ENGINE, O_FLAG, F(bf16_combine), 0, 0, 1, NULL, "expert outputs return in BF16 (an approximation; the paper preset's default)"},
     {"--no-bf16-combine", C_ENGINE, O_FLAG, F(bf16_combine), 0, 0, -1, NULL, "expert outputs return in fp32 (exact; the default)"},
     {"--kv-bf16", C_ENGINE, O_FLAG, F(kv_bf16), 0, 0, 1, NULL, "keep the KV cache in BF16: half its memory (an approximation; default fp32, exact)"},
+    {"--prefill-expanded", C_ENGINE, O_FLAG, F(prefill_expanded), 0, 0, 1, NULL, "prefill attends with K and V expanded per head (DeepSeek's naive MLA): faster long prompts, other rounding than decode (default: absorbed, the same bits everywhere)"},
     {"--time-shared", C_ENGINE, O_FLAG, F(time_shared), 0, 0, 1, NULL, "one loop runs a prefill step then a decode step, in turn (default: prefill and decode run as peers)"},
     {"--cache-dir", C_ENGINE, O_STR, F(cache_dir), 0, 0, 0, "DIR", "the context cache's disk tier (KV blocks kept across runs) and, with --int8, the model cache (INT8 weights saved once, then mapped)"},
     {"--fail", C_SAMPLE, O_FAIL, F(n_fails), 0, 0, 0, "DEV@STEP[:KIND]", "device DEV fails once the engine has run STEP steps (KIND: device, the default, or link: one step's messages lost); repeatable"},
@@ -433,6 +434,7 @@ static int make_engine(const opts *o, cm384_model *m, cm384_engine **e) {
     c.bf16_combine = o->bf16_combine;
     c.time_shared = o->time_shared;
     c.kv_bf16 = o->kv_bf16;
+    c.prefill_expanded = o->prefill_expanded;
     c.cache_dir = o->cache_dir;
     c.log = on_log;
     c.log_user = (void *)o;

@@ -250,6 +250,123 @@ static void check_lanes(cm384_model *m) {
     cm384_engine_free(e);
 }
 
+/* Expanded prefill (config.prefill_expanded): DeepSeek's naive MLA, the
+ * same model with other rounding.  Its logits must match the reference as
+ * the absorbed path's do, with KV blocks of 5 and 16-key chunks (the
+ * running softmax over many chunks, rescaled at every new max), and a
+ * prompt prefilled 7 tokens a step must give the bits of one prefill (keys
+ * chunked by slot, queries by tile: no dependence on the batch).  With
+ * INT8 weights the expansion is W8A8 too: measured against the absorbed
+ * INT8 path. */
+static void check_expanded(cm384_model *m) {
+    printf("[expanded prefill]\n");
+    enum { V = 1024, N = 250 };
+    cm384_engine *e[4] = {0};
+    for (int i = 0; i < 4; i++) {
+        cm384_config c;
+        cm384_config_init(&c);
+        c.n_workers = 2; c.int8_dispatch = 0; c.max_ctx = 256;
+        c.prefill_expanded = i != 0;
+        if (i == 2) c.prefill_chunk = 7, c.max_batch = 2, c.kv_block_tokens = 5;   /* steps of 7 */
+        if (i == 3) c.int8 = 1;
+        int r = cm384_engine_create(m, &c, &e[i]);
+        CHECK(r == CM384_OK, "engine_create: %s", cm384_last_error());
+        if (r) goto done;
+    }
+    e[2]->x_chunk = 16;
+    e[2]->core_slack = 0;
+    const json *seqs = json_get(&ref, "sequences"), *mtp = json_get(json_get(&ref, "mtp"), "entries");
+    for (int v = 1; v <= 2; v++) {
+        double worst = 0, worst_mtp = 0;
+        int top_ok = 1, compared = 0, differ = 0;
+        for (int i = 0; i < seqs->len; i++) {
+            const json *sq = &seqs->kids[i];
+            int32_t ids[256];
+            int n = load_ids(json_get(sq, "tokens"), ids, 256);
+            float *lg = malloc(sizeof(float) * n * V), *ml = malloc(sizeof(float) * n * V), *ab = malloc(sizeof(float) * n * V);
+            int r = cm384_eval(e[v], ids, n, lg, n > 1 ? ml : NULL);
+            CHECK(r == CM384_OK, "eval %s: %s", json_str(sq, "name", ""), cm384_last_error());
+            cm384_eval(e[0], ids, n, ab, NULL);
+            const float *want = ref_array(json_get(sq, "logits"));
+            const json *margin = json_get(sq, "top1_margin"), *top1 = json_get(sq, "top1");
+            for (int t = 0; t < n; t++) {
+                for (int k = 0; k < V; k++) {
+                    double d = fabs(lg[(size_t)t * V + k] - want[(size_t)t * V + k]);
+                    if (d > worst) worst = d;
+                    differ += lg[(size_t)t * V + k] != ab[(size_t)t * V + k];
+                }
+                if (margin->kids[t].num > 1e-3) {
+                    compared++;
+                    if (argmax(lg + (size_t)t * V, V) != (int)top1->kids[t].num) top_ok = 0;
+                }
+            }
+            for (int j = 0; j < mtp->len; j++) {
+                if (strcmp(json_str(&mtp->kids[j], "sequence", ""), json_str(sq, "name", ""))) continue;
+                const float *wm = ref_array(json_get(&mtp->kids[j], "logits"));
+                for (size_t k = 0; k < (size_t)(n - 1) * V; k++) if (fabs(ml[k] - wm[k]) > worst_mtp) worst_mtp = fabs(ml[k] - wm[k]);
+            }
+            free(lg); free(ml); free(ab);
+        }
+        printf("  %s: logits max |diff| %.2e, MTP %.2e, top-1 same at %d/%d positions; %d logits not the absorbed path's bits\n",
+               v == 1 ? "one prefill, 256-key chunks" : "7 tokens a step, KV blocks of 5, 16-key chunks, rescaled at every max",
+               worst, worst_mtp, top_ok ? compared : -1, compared, differ);
+        CHECK(worst < 1e-3 && worst_mtp < 1e-3 && top_ok, "expanded prefill: logits %g (MTP %g) from the reference", worst, worst_mtp);
+        CHECK(differ > 0, "expanded prefill gave the absorbed path's bits everywhere: did it run?");
+    }
+    int32_t ids[N];
+    uint32_t x = 777;
+    for (int i = 0; i < N; i++) { x = x * 1664525u + 1013904223u; ids[i] = (int32_t)((x >> 8) % V); }
+    float *a = malloc(sizeof(float) * N * V), *b = malloc(sizeof(float) * N * V);
+    if (a && b) {
+        /* one prefill against 7 tokens a step, the same chunks */
+        cm384_engine_free(e[2]);
+        cm384_config c;
+        cm384_config_init(&c);
+        c.n_workers = 2; c.int8_dispatch = 0; c.max_ctx = 256; c.prefill_expanded = 1; c.prefill_chunk = 7; c.max_batch = 2;
+        int r = cm384_engine_create(m, &c, &e[2]);
+        CHECK(r == CM384_OK, "engine_create: %s", cm384_last_error());
+        if (!r) {
+            cm384_eval(e[1], ids, N, a, NULL);
+            cm384_eval(e[2], ids, N, b, NULL);
+            double d = 0;
+            for (size_t k = 0; k < (size_t)N * V; k++) if (fabs(a[k] - b[k]) > d) d = fabs(a[k] - b[k]);
+            printf("  %d tokens, one prefill vs 7 tokens a step: max |diff| %.2e\n", N, d);
+            CHECK(d == 0, "expanded prefill depends on the prefill chunk: %g", d);
+        }
+        /* INT8: absorbed against expanded (W8A8 expansion) */
+        cm384_config_init(&c);
+        c.n_workers = 2; c.int8_dispatch = 0; c.max_ctx = 256; c.int8 = 1;
+        cm384_engine *q;
+        r = cm384_engine_create(m, &c, &q);
+        CHECK(r == CM384_OK, "engine_create: %s", cm384_last_error());
+        if (!r) {
+            cm384_eval(q, ids, N, a, NULL);
+            cm384_eval(e[3], ids, N, b, NULL);
+            int close = 0;
+            double worst = 0;
+            for (int t = 0; t < N; t++) {
+                double lo = 1e30, hi = -1e30, mx = 0;
+                for (int k = 0; k < V; k++) {
+                    double w = a[(size_t)t * V + k], d = fabs(b[(size_t)t * V + k] - w);
+                    if (d > mx) mx = d;
+                    if (w < lo) lo = w;
+                    if (w > hi) hi = w;
+                }
+                close += mx < 0.02 * (hi - lo);
+                if (mx / (hi - lo) > worst) worst = mx / (hi - lo);
+            }
+            printf("  INT8, %d tokens: expanded within 2%% of the logits' spread of absorbed at %d positions (worst %.1f%%)\n",
+                   N, close, 100 * worst);
+            CHECK(close >= 0.9 * N, "INT8 expanded prefill: only %d of %d positions close to the absorbed path", close, N);
+            cm384_engine_free(q);
+        }
+    }
+    free(a);
+    free(b);
+done:
+    for (int i = 0; i < 4; i++) cm384_engine_free(e[i]);
+}
+
 /* The bf16 latent cache (config.kv_bf16) is an approximation, so its logits
  * are measured against the reference rather than held to float noise.
  * Rounding each latent value to 8 bits of mantissa moves a logit by a small
@@ -450,6 +567,7 @@ TEST_MAIN(golden) {
     check_mtp_drafts(m);
     check_lanes(m);
     check_kv_bf16(m);
+    check_expanded(m);
     cm384_model_free(m);
     check_v2("tests/fixtures/tiny-dsv2-lite");
     check_v2("tests/fixtures/tiny-dsv2-group");
