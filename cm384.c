@@ -5904,7 +5904,6 @@ typedef struct fwd_scratch {
     float  *xlats;             /* [x_keys] their scales                            */
     float  *xk;                /* [H][x_keys][nope+rope] keys per head             */
     float  *xv;                /* [H][x_keys][v] values per head                   */
-    float  *xqt;               /* [workers][nope+rope][XTILE] a tile's queries, transposed */
     float  *xsc;               /* [workers][XTILE][x_keys] a tile's scores          */
     float  *xml;               /* [cap][H][2] running max and sum per (row, head)   */
 } fwd_scratch;
@@ -5983,7 +5982,6 @@ static void scratch_carve(carver *c, fwd_scratch *s, const hparams *hp, int cap,
         s->xlats = F(X);
         s->xk = F(H * X * (hp->qk_nope + hp->qk_rope));
         s->xv = F(H * X * hp->v_head);
-        s->xqt = F((size_t)workers * (hp->qk_nope + hp->qk_rope) * XTILE);
         s->xsc = F((size_t)workers * XTILE * X);
         s->xml = F(C * H * 2);
     }
@@ -6761,21 +6759,45 @@ static void t_uv(void *ctx, int g, int h, int worker) {
  * (t_xattend), keeping its running max, sum and unnormalized output in the
  * rows' att and xml; t_xnorm divides at the end. */
 
-/* Rows [r0, r0 + n) of one sequence: q_pe rotated in place (the absorbed
- * path rotates its copy), outputs and running sums cleared. */
-static void t_xinit(void *ctx, int g, int t, int worker) {
+/* A tile's rows: q_pe rotated in place (the absorbed path rotates its
+ * copy), outputs and running sums cleared, and the queries laid out for
+ * the scores kernel -- per head, element c of the tile's nq queries at
+ * qlat (unused here) + (r0 * H + h * nq) * qk + c * nq + q. */
+static void t_xinit(void *ctx, int g, int task, int worker) {
     (void)worker;
     op *o = ctx;
-    microbatch *mb = o->mb;
+    fwd_scratch *s = o->mb->s;
     const hparams *hp = &o->e->m->hp;
-    int H = hp->n_heads, qk = hp->qk_nope + hp->qk_rope, r = mb->groups[g].first + t;
-    for (int h = 0; h < H; h++) {
-        rope(mb->s->q + ((size_t)r * H + h) * qk + hp->qk_nope, mb->s->rope_cs + (size_t)r * hp->qk_rope, hp->qk_rope);
-        float *ml = mb->s->xml + ((size_t)r * H + h) * 2;
-        ml[0] = -INFINITY;
-        ml[1] = 0;
+    int H = hp->n_heads, qk = hp->qk_nope + hp->qk_rope, tile = s->tile_first[g] + task;
+    int r0 = s->tile_row[tile], nq = s->tile_n[tile];
+    for (int r = r0; r < r0 + nq; r++) {
+        for (int h = 0; h < H; h++) {
+            rope(s->q + ((size_t)r * H + h) * qk + hp->qk_nope, s->rope_cs + (size_t)r * hp->qk_rope, hp->qk_rope);
+            float *ml = s->xml + ((size_t)r * H + h) * 2;
+            ml[0] = -INFINITY;
+            ml[1] = 0;
+        }
+        memset(s->att + (size_t)r * H * hp->v_head, 0, (size_t)H * hp->v_head * sizeof(float));
     }
-    memset(mb->s->att + (size_t)r * H * hp->v_head, 0, (size_t)H * hp->v_head * sizeof(float));
+    for (int h = 0; h < H; h++) {
+        float *qt = s->qlat + ((size_t)r0 * H + (size_t)h * nq) * qk;
+        for (int q = 0; q < nq; q++) {
+            const float *src = s->q + ((size_t)(r0 + q) * H + h) * qk;
+            for (int c = 0; c < qk; c++) qt[(size_t)c * nq + q] = src[c];
+        }
+    }
+}
+
+/* The largest of p[0..n), n >= 1 (eight chains: the scan is latency-bound). */
+static float max_of(const float *p, int n) {
+    float b[8];
+    int j = 0;
+    for (int i = 0; i < 8; i++) b[i] = p[0];
+    for (; j + 8 <= n; j += 8)
+        for (int i = 0; i < 8; i++) b[i] = p[j + i] > b[i] ? p[j + i] : b[i];
+    for (; j < n; j++) b[0] = p[j] > b[0] ? p[j] : b[0];
+    for (int i = 1; i < 8; i++) b[0] = b[i] > b[0] ? b[i] : b[0];
+    return b[0];
 }
 
 /* The chunk's latent rows, one KV block's run a task, into xlat as fp32. */
@@ -6838,9 +6860,8 @@ static void t_xattend(void *ctx, int g, int task, int worker) {
     int tile = first + task / H, h = task % H;
     int r0 = s->tile_row[tile], nq = s->tile_n[tile], c0 = o->x_c0, nk = o->x_c1 - c0;
     float scale = e->m->attn_scale, slack = e->core_slack / scale;
-    float *sc = s->xsc + (size_t)worker * XTILE * X, *qt = s->xqt + (size_t)worker * qk * XTILE;
-    for (int c = 0; c < qk; c++)
-        for (int q = 0; q < nq; q++) qt[c * nq + q] = s->q[((size_t)(r0 + q) * H + h) * qk + c];
+    float *sc = s->xsc + (size_t)worker * XTILE * X;
+    const float *qt = s->qlat + ((size_t)r0 * H + (size_t)h * nq) * qk;        /* t_xinit laid it out */
     k->dot_rows_t(sc, X, qt, nq, nq, s->xk + (size_t)h * X * qk, qk, nk, qk);
     int most = 0;
     for (int q = 0; q < nq; q++) {
@@ -6852,8 +6873,8 @@ static void t_xattend(void *ctx, int g, int task, int worker) {
             continue;
         }
         if (m > most) most = m;
-        float *ml = s->xml + ((size_t)(r0 + q) * H + h) * 2, *out = s->att + ((size_t)(r0 + q) * H + h) * V, bm = p[0];
-        for (int j = 1; j < m; j++) if (p[j] > bm) bm = p[j];
+        float *ml = s->xml + ((size_t)(r0 + q) * H + h) * 2, *out = s->att + ((size_t)(r0 + q) * H + h) * V;
+        float bm = max_of(p, m);
         if (ml[1] == 0) ml[0] = bm;                              /* its first keys set the shift */
         else if (bm > ml[0] + slack) {                           /* raise it: scale what came before */
             float f = expf(scale * (ml[0] - bm));
@@ -7217,7 +7238,7 @@ static int attn_stage(op *o, region *rg) {
         op_mm_rows(o, rg, Q ? &Q->wq_b : &L->wq_b, s->qa, s->qaq, s->qas, hp->q_lora, s->q, H * qk);
         return 1;
     case 4:
-        if (o->e->expanded && mb->phase == PHASE_PREFILL && L->w_uk && s->xk) {
+        if (o->e->expanded && mb->phase == PHASE_PREFILL && L->w_uk && s->xk && hp->kv_lora >= hp->qk_nope) {   /* qlat holds the queries */
             o->stage = 20;
             continue;
         }
@@ -7263,7 +7284,7 @@ static int attn_stage(op *o, region *rg) {
     case 20:
         core_tiles(mb, XTILE);
         o->x_r0 = o->x_r1 = o->x_c1 = 0;
-        FOR_GROUPS(mb, g) region_add(rg, t_xinit, o, g, mb->groups[g].n, mb->groups[g].device);
+        FOR_GROUPS(mb, g) region_add(rg, t_xinit, o, g, s->tile_first[g + 1] - s->tile_first[g], mb->groups[g].device);
         return 1;
     case 21: {
         if (!xchunk_next(o)) {

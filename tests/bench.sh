@@ -25,7 +25,7 @@ M=$B/models
 CLI=$B/cm384
 MODELS=${BENCH_MODELS:-"bench-S bench-M v2lite4"}
 [ -n "$BENCH_QUICK" ] && RUNS=1
-SECTIONS=${BENCH_SECTIONS:-"1 2 3 4 5 6 7 8 9 10 11"}
+SECTIONS=${BENCH_SECTIONS:-"1 2 3 4 5 6 7 8 9 10 11 12"}
 want() { case " $SECTIONS " in *" $1 "*) return 0 ;; esac; return 1; }
 mkdir -p "$M"
 
@@ -304,5 +304,23 @@ echo "(always: every decode step verifies a draft; step cost: such a step agains
 echo " step.  gated (--mtp, config.mtp = 1): drafts while (1 + acceptance) x a plain step beats a drafting step, as its"
 echo " own steps measure them; drafted = steps that verified a draft.  bench-M's weights are random: its drafts are almost"
 echo " never accepted.  Target: step cost <= 1.25x; MTP a net gain on the trained model (the paper: +6% to +49% at ~70%).)"
+fi
+if want 12; then
+echo
+echo "== 12. prefill attention: absorbed (the default) against expanded (--prefill-expanded), 1 request; medians of $RUNS"
+printf '%-9s %-5s %7s | %11s %11s %7s\n' model dtype prompt "absorbed/s" "expanded/s" ratio
+for name in $MODELS; do
+    for q in int8 bf16; do
+        flag=""; [ "$q" = int8 ] && flag="--int8"
+        for p in 512 2048; do
+            a=$(bench_median "prefill_tok_s" -m "$M/$name" -p $p -n 2 --requests 1 -t "$T" $flag)
+            x=$(bench_median "prefill_tok_s" -m "$M/$name" -p $p -n 2 --requests 1 -t "$T" $flag --prefill-expanded)
+            printf '%-9s %-5s %7d | %11.1f %11.1f %7s\n' "$name" "$q" "$p" "$a" "$x" "$(ratio "$x" "$a")"
+        done
+    done
+done
+echo "(expanded: each chunk of 256 cached latents expanded per head into K and V, queries attending with head dimension"
+echo " 192/128 instead of 576/512; prompts are prefilled 512 tokens a step, so a 2,048-token prompt expands its first"
+echo " keys four times.  Same model, other rounding than the absorbed decode path: off by default.)"
 fi
 echo "load average at the end: $(cut -d' ' -f1-3 /proc/loadavg)"

@@ -152,7 +152,8 @@ static int pr_ends(const char *s, const char *suffix) {
  * engine reads the embeddings, the routers (and the vectors, as fp32
  * copies) in their stored type; every other 2-D weight is replaced by a copy of a byte per weight and a float per
  * row, kv_b_proj by its per-head W_uk^T [kv_lora x nope] and W_uv
- * [v x kv_lora] copies. */
+ * [v x kv_lora] copies (and W_uk [nope x kv_lora], for the expanded
+ * prefill, unless kv_b_proj is fp8). */
 static void pr_estimate(const char *dir) {
     printf("memory estimate (%s):\n", dir);
     cm384_model *m;
@@ -162,17 +163,22 @@ static void pr_estimate(const char *dir) {
     }
     const hparams *hp = &m->hp;
     uint64_t weights = 0, replaced = 0, copies = 0;
+    int kv_b_rows = 0;              /* kv_b_proj sliceable by rows: W_uk copies too (expanded prefill) */
     for (int i = 0; i < m->tensors.cap; i++) {
         const tensor_info *t = &m->tensors.items[i];
         if (!t->name || pr_ends(t->name, "_scale_inv")) continue;
         weights += t->nbytes;                              /* weight_bytes counts vectors too */
         if (t->ndim != 2 || pr_ends(t->name, "embed_tokens.weight") || pr_ends(t->name, "mlp.gate.weight")) continue;
         replaced += t->nbytes;
-        if (pr_ends(t->name, "kv_b_proj.weight")) continue;
+        if (pr_ends(t->name, "kv_b_proj.weight")) {
+            kv_b_rows = t->dtype != GL_F8_E4M3;
+            continue;
+        }
         copies += (uint64_t)t->shape[0] * t->shape[1] + 4 * (uint64_t)t->shape[0];
     }
     uint64_t per_head = (uint64_t)hp->kv_lora * hp->qk_nope + 4 * (uint64_t)hp->kv_lora +
-                        (uint64_t)hp->v_head * hp->kv_lora + 4 * (uint64_t)hp->v_head;
+                        (uint64_t)hp->v_head * hp->kv_lora + 4 * (uint64_t)hp->v_head +
+                        (kv_b_rows ? (uint64_t)hp->qk_nope * hp->kv_lora + 4 * (uint64_t)hp->qk_nope : 0);
     copies += (uint64_t)(hp->n_layers + hp->n_mtp) * hp->n_heads * per_head;
     cm384_model_info in;
     memset(&in, 0, sizeof in);
