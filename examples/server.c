@@ -28,6 +28,7 @@
 #include <arpa/inet.h>
 #include <errno.h>
 #include <limits.h>
+#include <math.h>
 #include <netdb.h>
 #include <netinet/in.h>
 #include <netinet/tcp.h>
@@ -712,7 +713,7 @@ static int gen_params_parse(const jval *body, int chat, gen_params *g, char *err
 
 typedef struct {
     const char *model_path, *host, *alias, *preset, *chat_format;
-    int         port, max_conns, threads, devices, max_ctx, max_batch, mtp, int8;
+    int         port, max_conns, threads, devices, max_ctx, max_batch, mtp, int8, kv_bf16, prefill_expanded;
     double      kv_pool_mib, cache_mib;     /* 0: the engine's defaults; cache < 0: off */
     size_t      max_body, max_header;
     double      idle_timeout_s, io_timeout_s;
@@ -1330,6 +1331,21 @@ static void on_signal(int sig) {
 /* main                                                                      */
 /* ======================================================================== */
 
+/* A number option's value: all of it a number in [lo, hi] (whole when
+ * integral), else a message naming the option and 0 (a usage error). */
+static int opt_num(const char *opt, const char *v, double lo, double hi, int integral, double *out) {
+    char *end;
+    errno = 0;
+    double x = strtod(v, &end);
+    if (end == v || *end || errno == ERANGE || !isfinite(x) || x < lo || x > hi || (integral && x != floor(x))) {
+        fprintf(stderr, "cm384-server: %s %s: expected %s from %.15g to %.15g (see --help)\n", opt, v,
+                integral ? "a whole number" : "a number", lo, hi);
+        return 0;
+    }
+    *out = x;
+    return 1;
+}
+
 static void usage(FILE *f) {
     fprintf(f,
             "usage: cm384-server -m MODEL [options]\n"
@@ -1355,6 +1371,9 @@ static void usage(FILE *f) {
             "                        (default: the format recognised from the model's template)\n"
             "  --int8                INT8 W8A8 weights\n"
             "  --mtp                 speculative decoding with the MTP layer\n"
+            "  --kv-bf16             keep the KV cache in BF16: twice the context per byte (an approximation)\n"
+            "  --prefill-expanded    prompts attend with K and V expanded per head (DeepSeek's naive MLA):\n"
+            "                        faster long prompts, other rounding than decode\n"
             "  -h, --help            this text\n"
             "\n"
             "Routes:\n"
@@ -1384,31 +1403,35 @@ int main(int argc, char **argv) {
         if (!strcmp(a, "-h") || !strcmp(a, "--help")) { usage(stdout); return 0; }
         if (!strcmp(a, "--int8")) { o->int8 = 1; continue; }
         if (!strcmp(a, "--mtp")) { o->mtp = 1; continue; }
+        if (!strcmp(a, "--kv-bf16")) { o->kv_bf16 = 1; continue; }
+        if (!strcmp(a, "--prefill-expanded")) { o->prefill_expanded = 1; continue; }
         if (!v) { fprintf(stderr, "cm384-server: %s needs a value (see --help)\n", a); return 2; }
         i++;
+        double x = 0;
+        int ok = 1;
         if (!strcmp(a, "-m") || !strcmp(a, "--model")) o->model_path = v;
         else if (!strcmp(a, "--host")) o->host = v;
-        else if (!strcmp(a, "--port")) o->port = atoi(v);
         else if (!strcmp(a, "--alias")) o->alias = v;
-        else if (!strcmp(a, "--max-conns")) o->max_conns = atoi(v);
-        else if (!strcmp(a, "--max-body")) o->max_body = (size_t)atol(v);
-        else if (!strcmp(a, "--max-header")) o->max_header = (size_t)atol(v);
-        else if (!strcmp(a, "--timeout")) o->io_timeout_s = atof(v);
-        else if (!strcmp(a, "--ctx")) o->max_ctx = atoi(v);
-        else if (!strcmp(a, "--batch")) o->max_batch = atoi(v);
-        else if (!strcmp(a, "--kv-pool-mib")) o->kv_pool_mib = atof(v);
-        else if (!strcmp(a, "--cache-mib")) o->cache_mib = !strcmp(v, "off") ? -1 : atof(v);
-        else if (!strcmp(a, "-t")) o->threads = atoi(v);
-        else if (!strcmp(a, "--devices")) o->devices = atoi(v);
         else if (!strcmp(a, "--preset")) o->preset = v;
         else if (!strcmp(a, "--chat-format")) o->chat_format = v;
+        else if (!strcmp(a, "--port")) { if ((ok = opt_num(a, v, 0, 65535, 1, &x))) o->port = (int)x; }
+        else if (!strcmp(a, "--max-conns")) { if ((ok = opt_num(a, v, 1, 1 << 20, 1, &x))) o->max_conns = (int)x; }
+        else if (!strcmp(a, "--max-body")) { if ((ok = opt_num(a, v, 1, 1ull << 40, 1, &x))) o->max_body = (size_t)x; }
+        else if (!strcmp(a, "--max-header")) { if ((ok = opt_num(a, v, 64, 1 << 30, 1, &x))) o->max_header = (size_t)x; }
+        else if (!strcmp(a, "--timeout")) { if ((ok = opt_num(a, v, 0.001, 1e7, 0, &x))) o->io_timeout_s = x; }
+        else if (!strcmp(a, "--ctx")) { if ((ok = opt_num(a, v, 2, 1 << 24, 1, &x))) o->max_ctx = (int)x; }
+        else if (!strcmp(a, "--batch")) { if ((ok = opt_num(a, v, 1, 4096, 1, &x))) o->max_batch = (int)x; }
+        else if (!strcmp(a, "--kv-pool-mib")) { if ((ok = opt_num(a, v, 1, 1 << 30, 0, &x))) o->kv_pool_mib = x; }
+        else if (!strcmp(a, "--cache-mib")) {
+            if (!strcmp(v, "off")) o->cache_mib = -1;
+            else if ((ok = opt_num(a, v, 1, 1 << 30, 0, &x))) o->cache_mib = x;
+        }
+        else if (!strcmp(a, "-t")) { if ((ok = opt_num(a, v, 1, 4096, 1, &x))) o->threads = (int)x; }
+        else if (!strcmp(a, "--devices")) { if ((ok = opt_num(a, v, 1, 1 << 20, 1, &x))) o->devices = (int)x; }
         else { fprintf(stderr, "cm384-server: unknown option %s (see --help)\n", a); return 2; }
+        if (!ok) return 2;
     }
     if (!o->model_path) { usage(stderr); return 2; }
-    if (o->port < 0 || o->port > 65535 || o->max_conns < 1 || o->max_body < 1 || o->max_header < 64 || !(o->io_timeout_s > 0)) {
-        fprintf(stderr, "cm384-server: bad option value (see --help)\n");
-        return 2;
-    }
     signal(SIGPIPE, SIG_IGN);
 #if defined(__GLIBC__)
     mallopt(M_ARENA_MAX, 2);   /* a thread per connection would otherwise scatter freed memory over many arenas */
@@ -1446,6 +1469,8 @@ int main(int argc, char **argv) {
     if (o->preset) cfg.preset = o->preset;
     cfg.int8 = o->int8;
     cfg.mtp = o->mtp;
+    cfg.kv_bf16 = o->kv_bf16;
+    cfg.prefill_expanded = o->prefill_expanded;
     cfg.max_batch = o->max_batch;
     if (o->kv_pool_mib > 0) cfg.kv_pool_bytes = (size_t)(o->kv_pool_mib * 1048576);
     if (o->cache_mib < 0) cfg.cache_bytes = (size_t)-1;

@@ -189,5 +189,21 @@ if ls "$tmp/mc"/*.q8 >/dev/null 2>&1 || ls "$tmp/mc"/*/*.q8 >/dev/null 2>&1; the
 expect 0 "" "$CLI" run -m "$M" -n 6 -t 1 --int8 --cache-dir "$tmp/mc" -p Hello
 if cmp -s "$out" "$tmp/mc_first"; then ok; else bad "the INT8 weights mapped from the model cache gave other text"; fi
 
+# the server's options: every number checked whole, with its range named,
+# before any model is loaded (exit 2)
+SERVER=$(dirname "$CLI")/cm384-server
+if [ -x "$SERVER" ]; then
+    echo "cm384-server options:"
+    for bad_opt in "--port abc" "--port 70000" "--port -1" "--max-conns 0" "--max-body 1e99" "--timeout 0" \
+                   "--ctx 1.5" "--batch 0" "--kv-pool-mib x" "--cache-mib 2q" "-t 3x" "--devices 0"; do
+        # shellcheck disable=SC2086
+        expect 2 "^cm384-server: ${bad_opt%% *} .*expected" "$SERVER" -m "$M" $bad_opt
+    done
+    expect 2 "unknown option --bogus" "$SERVER" -m "$M" --bogus 1
+    expect 2 "needs a value" "$SERVER" -m "$M" --port
+    expect 0 "" "$SERVER" --help
+    if grep -q -- "--prefill-expanded" "$out"; then ok; else bad "the server's --help does not list --prefill-expanded"; fi
+fi
+
 echo "cli: $passed passed, $failed failed"
 [ "$failed" -eq 0 ]
