@@ -4013,7 +4013,7 @@ static int derive_mat(cm384_model *m, const gl_mat *src, int row0, int rows, int
 }
 
 /* W_uk of each head as the rows of wkv_b it is ([nope][kv_lora], no copy),
- * for the expanded prefill (section 5.2).  fp8 block scales do not slice
+ * for the expanded prefill (section 7).  fp8 block scales do not slice
  * by rows, so an fp8 wkv_b (and a GGUF file that stores k_b apart) leaves
  * w_uk NULL: those models attend absorbed in prefill too. */
 static int kv_b_views(cm384_model *m, layer_w *L) {
@@ -6754,10 +6754,12 @@ static void t_uv(void *ctx, int g, int h, int worker) {
  * Keys go in chunks of XKEYS (fixed by KV slot, so the running softmax of
  * every (query, head) meets the same chunks in the same order, whatever the
  * batch): a chunk's latent rows are gathered (t_xgather), expanded per head
- * (t_xexpand: K transposed so the scores kernel takes 16 keys a vector),
- * then every tile of XTILE queries attends to it, one head a task
- * (t_xattend), keeping its running max, sum and unnormalized output in the
- * rows' att and xml; t_xnorm divides at the end. */
+ * into rows of K and V (t_xexpand), then every tile of XTILE queries
+ * attends to it, one head a task (t_xattend: the tile's queries are the
+ * scores kernel's 16 lanes), keeping its running max, sum and unnormalized
+ * output in the rows' att and xml; t_xnorm divides at the end.  The
+ * queries are rotated and laid out once per layer (t_xinit).  Decode stays
+ * absorbed: one query per key would pay the expansion for nothing. */
 
 /* A tile's rows: q_pe rotated in place (the absorbed path rotates its
  * copy), outputs and running sums cleared, and the queries laid out for
