@@ -464,7 +464,9 @@ typedef struct cm384_config {
                                       then depend (in the last bits) on whether it
                                       was prefilled or decoded, so recomputed or
                                       cached tokens may differ.  Models whose
-                                      kv_b_proj is fp8 or split attend absorbed.
+                                      kv_b_proj is fp8 or split (or whose
+                                      kv_lora_rank is below qk_nope_head_dim)
+                                      attend absorbed.
                                       0 (default): absorbed everywhere, exact and
                                       the same bits in every path                   */
 } cm384_config;
