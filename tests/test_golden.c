@@ -250,6 +250,19 @@ static void check_lanes(cm384_model *m) {
     cm384_engine_free(e);
 }
 
+/* The largest |got - want| over n logits; *spread = max - min of want. */
+static double diff_and_spread(const float *got, const float *want, int n, double *spread) {
+    double lo = 1e30, hi = -1e30, mx = 0;
+    for (int v = 0; v < n; v++) {
+        double w = want[v], d = fabs(got[v] - w);
+        if (d > mx) mx = d;
+        if (w < lo) lo = w;
+        if (w > hi) hi = w;
+    }
+    *spread = hi - lo;
+    return mx;
+}
+
 /* Expanded prefill (config.prefill_expanded): DeepSeek's naive MLA, the
  * same model with other rounding.  Its logits must match the reference as
  * the absorbed path's do, with KV blocks of 5 and 16-key chunks (the
@@ -345,15 +358,9 @@ static void check_expanded(cm384_model *m) {
             int close = 0;
             double worst = 0;
             for (int t = 0; t < N; t++) {
-                double lo = 1e30, hi = -1e30, mx = 0;
-                for (int k = 0; k < V; k++) {
-                    double w = a[(size_t)t * V + k], d = fabs(b[(size_t)t * V + k] - w);
-                    if (d > mx) mx = d;
-                    if (w < lo) lo = w;
-                    if (w > hi) hi = w;
-                }
-                close += mx < 0.02 * (hi - lo);
-                if (mx / (hi - lo) > worst) worst = mx / (hi - lo);
+                double spread, mx = diff_and_spread(b + (size_t)t * V, a + (size_t)t * V, V, &spread);
+                close += mx < 0.02 * spread;
+                if (mx / spread > worst) worst = mx / spread;
             }
             printf("  INT8, %d tokens: expanded within 2%% of the logits' spread of absorbed at %d positions (worst %.1f%%)\n",
                    N, close, 100 * worst);
@@ -399,15 +406,9 @@ static void check_kv_bf16(cm384_model *m) {
         const float *want = ref_array(json_get(sq, "logits"));
         const json *margin = json_get(sq, "top1_margin"), *top1 = json_get(sq, "top1");
         for (int t = 0; t < n; t++, positions++) {
-            double lo = 1e30, hi = -1e30, mx = 0;
-            for (int v = 0; v < V; v++) {
-                double w = want[(size_t)t * V + v], d = fabs(lg[(size_t)t * V + v] - w);
-                if (d > mx) mx = d;
-                if (w < lo) lo = w;
-                if (w > hi) hi = w;
-            }
-            close += mx < 0.01 * (hi - lo);
-            if (mx > worst) worst = mx, worst_rel = mx / (hi - lo);
+            double spread, mx = diff_and_spread(lg + (size_t)t * V, want + (size_t)t * V, V, &spread);
+            close += mx < 0.01 * spread;
+            if (mx > worst) worst = mx, worst_rel = mx / spread;
             if (margin->kids[t].num > 0.05) {
                 wide++;
                 wide_same += argmax(lg + (size_t)t * V, V) == (int)top1->kids[t].num;
