@@ -268,20 +268,22 @@ static double diff_and_spread(const float *got, const float *want, int n, double
  * the absorbed path's do, with KV blocks of 5 and 16-key chunks (the
  * running softmax over many chunks, rescaled at every new max), and a
  * prompt prefilled 7 tokens a step must give the bits of one prefill (keys
- * chunked by slot, queries by tile: no dependence on the batch).  With
- * INT8 weights the expansion is W8A8 too: measured against the absorbed
- * INT8 path. */
+ * chunked by slot, queries by tile: no dependence on the batch); the paper
+ * preset (two microbatches a step) must give the reference's greedy
+ * continuations.  With INT8 weights the expansion is W8A8 too: measured
+ * against the absorbed INT8 path. */
 static void check_expanded(cm384_model *m) {
     printf("[expanded prefill]\n");
     enum { V = 1024, N = 250 };
-    cm384_engine *e[4] = {0};
-    for (int i = 0; i < 4; i++) {
+    cm384_engine *e[5] = {0};
+    for (int i = 0; i < 5; i++) {
         cm384_config c;
         cm384_config_init(&c);
         c.n_workers = 2; c.int8_dispatch = 0; c.max_ctx = 256;
         c.prefill_expanded = i != 0;
         if (i == 2) c.prefill_chunk = 7, c.max_batch = 2, c.kv_block_tokens = 5;   /* steps of 7 */
         if (i == 3) c.int8 = 1;
+        if (i == 4) c.preset = "paper", c.microbatches = 2, c.bf16_combine = -1;    /* two microbatches */
         int r = cm384_engine_create(m, &c, &e[i]);
         CHECK(r == CM384_OK, "engine_create: %s", cm384_last_error());
         if (r) goto done;
@@ -325,6 +327,24 @@ static void check_expanded(cm384_model *m) {
                worst, worst_mtp, top_ok ? compared : -1, compared, differ);
         CHECK(worst < 1e-3 && worst_mtp < 1e-3 && top_ok, "expanded prefill: logits %g (MTP %g) from the reference", worst, worst_mtp);
         CHECK(differ > 0, "expanded prefill gave the absorbed path's bits everywhere: did it run?");
+    }
+    /* the paper preset (two microbatches a step) through the scheduler:
+       the reference's greedy continuations */
+    const json *gr = json_get(&ref, "greedy");
+    for (int i = 0; i < gr->len; i++) {
+        int32_t ids[256];
+        int n = load_ids(json_get(&gr->kids[i], "prompt"), ids, 256);
+        const json *gen = json_get(&gr->kids[i], "generated");
+        cm384_sampling sp;
+        cm384_sampling_init(&sp);
+        sp.max_tokens = gen->len;
+        sp.ignore_eos = 1;
+        int out[64] = {0};
+        int r = cm384_generate(e[4], NULL, ids, n, &sp, collect, out);
+        int same = r == CM384_OK && out[0] == gen->len;
+        for (int t = 0; same && t < gen->len; t++) same = out[1 + t] == (int)gen->kids[t].num;
+        printf("  paper preset, greedy %d (prompt %d): %s\n", i, n, same ? "tokens identical" : "DIFFERENT");
+        CHECK(same, "expanded prefill, paper preset: greedy run %d differs (status %d)", i, r);
     }
     int32_t ids[N];
     uint32_t x = 777;
@@ -371,7 +391,7 @@ static void check_expanded(cm384_model *m) {
     free(a);
     free(b);
 done:
-    for (int i = 0; i < 4; i++) cm384_engine_free(e[i]);
+    for (int i = 0; i < 5; i++) cm384_engine_free(e[i]);
 }
 
 /* The bf16 latent cache (config.kv_bf16) is an approximation, so its logits
