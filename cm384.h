@@ -466,7 +466,10 @@ typedef struct cm384_config {
                                       cached tokens may differ.  Models whose
                                       kv_b_proj is fp8 or split (or whose
                                       kv_lora_rank is below qk_nope_head_dim)
-                                      attend absorbed.
+                                      attend absorbed.  Every prefill step
+                                      expands all of its sequence's keys, so a
+                                      short prompt after a long cached prefix
+                                      is slower than absorbed (bf16: ~3x).
                                       0 (default): absorbed everywhere, exact and
                                       the same bits in every path                   */
 } cm384_config;
