@@ -86,6 +86,27 @@ static double incremental_vs_full(cm384_engine *e, const int32_t *ids, int n, in
     return mx;
 }
 
+/* The reference's greedy continuations, token for token, through the
+ * scheduler (prefill, then decode); label prefixes each line. */
+static void check_greedy(cm384_engine *e, const char *label, const char *same_text) {
+    const json *gr = json_get(&ref, "greedy");
+    for (int i = 0; i < gr->len; i++) {
+        int32_t ids[256];
+        int n = load_ids(json_get(&gr->kids[i], "prompt"), ids, 256);
+        const json *gen = json_get(&gr->kids[i], "generated");
+        cm384_sampling s;
+        cm384_sampling_init(&s);
+        s.max_tokens = gen->len;
+        s.ignore_eos = 1;
+        int out[64] = {0};
+        int r = cm384_generate(e, NULL, ids, n, &s, collect, out);
+        int same = r == CM384_OK && out[0] == gen->len;
+        for (int t = 0; same && t < gen->len; t++) same = out[1 + t] == (int)gen->kids[t].num;
+        printf("  %sgreedy %d (prompt %d): %s\n", label, i, n, same ? same_text : "DIFFERENT");
+        CHECK(same, "%sgreedy run %d differs (status %d)", label, i, r);
+    }
+}
+
 static void check_topology(cm384_model *m, const char *preset, int microbatches, int kv_block, int rescale_always) {
     if (!preset) printf("[NULL config: every default");
     else printf("[%s, %d microbatch%s", preset, microbatches, microbatches > 1 ? "es" : "");
@@ -181,22 +202,7 @@ static void check_topology(cm384_model *m, const char *preset, int microbatches,
     }
 
     /* greedy continuations through the scheduler (prefill, then decode) */
-    const json *gr = json_get(&ref, "greedy");
-    for (int i = 0; i < gr->len; i++) {
-        int32_t ids[256];
-        int n = load_ids(json_get(&gr->kids[i], "prompt"), ids, 256);
-        const json *gen = json_get(&gr->kids[i], "generated");
-        cm384_sampling s;
-        cm384_sampling_init(&s);
-        s.max_tokens = gen->len;
-        s.ignore_eos = 1;
-        int out[64] = {0};
-        r = cm384_generate(e, NULL, ids, n, &s, collect, out);
-        int same = r == CM384_OK && out[0] == gen->len;
-        for (int t = 0; same && t < gen->len; t++) same = out[1 + t] == (int)gen->kids[t].num;
-        printf("  greedy %d (prompt %d): %s\n", i, n, same ? "16/16 tokens identical" : "DIFFERENT");
-        CHECK(same, "greedy run %d differs (status %d)", i, r);
-    }
+    check_greedy(e, "", "16/16 tokens identical");
 
     /* incremental decoding through the KV cache == full forward */
     {
@@ -330,22 +336,7 @@ static void check_expanded(cm384_model *m) {
     }
     /* the paper preset (two microbatches a step) through the scheduler:
        the reference's greedy continuations */
-    const json *gr = json_get(&ref, "greedy");
-    for (int i = 0; i < gr->len; i++) {
-        int32_t ids[256];
-        int n = load_ids(json_get(&gr->kids[i], "prompt"), ids, 256);
-        const json *gen = json_get(&gr->kids[i], "generated");
-        cm384_sampling sp;
-        cm384_sampling_init(&sp);
-        sp.max_tokens = gen->len;
-        sp.ignore_eos = 1;
-        int out[64] = {0};
-        int r = cm384_generate(e[4], NULL, ids, n, &sp, collect, out);
-        int same = r == CM384_OK && out[0] == gen->len;
-        for (int t = 0; same && t < gen->len; t++) same = out[1 + t] == (int)gen->kids[t].num;
-        printf("  paper preset, greedy %d (prompt %d): %s\n", i, n, same ? "tokens identical" : "DIFFERENT");
-        CHECK(same, "expanded prefill, paper preset: greedy run %d differs (status %d)", i, r);
-    }
+    check_greedy(e[4], "paper preset, ", "tokens identical");
     int32_t ids[N];
     uint32_t x = 777;
     for (int i = 0; i < N; i++) { x = x * 1664525u + 1013904223u; ids[i] = (int32_t)((x >> 8) % V); }
