@@ -8,14 +8,18 @@
 #      INT8: prefill of a 512-token prompt, single-stream decode of 128
 #      tokens, 16-stream decode -- as tok/s, GB/s against the measured
 #      bandwidth, GOP/s against the measured peak, tok/s per TFLOPS
+#      3b. llama.cpp's llama-bench on the same weights, when the peer is built
+#      3c. decode after prompts of 16 to 4,000 tokens (what the context costs)
 #   4. the supernode: decode scaling over 1/4/16/64 streams, the emulation
-#      tax (default topology vs one device), the paper preset, context cache
-#      and INT8 dispatch
+#      tax (default topology vs one device), the paper preset
+#   5. context cache and INT8 dispatch
 #   6-7. peers under arriving prompts; the context cache by tier
 #   8. the SLO controller: Table 4's shape (cm384 bench --slo)
 #   9. EPLB off and on over a skewed workload
 #  10. faults: what recovering from each kind took
-#  11. MTP: acceptance, tokens per step and the cost of a step with a draft
+#  11. MTP: acceptance, tokens per step and the cost of a step with a draft,
+#      at 1 stream and (bench-M INT8) at 16
+#  12. prefill attention: absorbed against expanded (--prefill-expanded)
 # Numbers are medians of RUNS runs (default 3); the machine is shared.
 # BENCH_MODELS="bench-S" limits the models; BENCH_QUICK=1 runs less.
 B=${B:-build}
@@ -304,6 +308,20 @@ echo "(always: every decode step verifies a draft; step cost: such a step agains
 echo " step.  gated (--mtp, config.mtp = 1): drafts while (1 + acceptance) x a plain step beats a drafting step, as its"
 echo " own steps measure them; drafted = steps that verified a draft.  bench-M's weights are random: its drafts are almost"
 echo " never accepted.  Target: step cost <= 1.25x; MTP a net gain on the trained model (the paper: +6% to +49% at ~70%).)"
+if [ -f "$M/bench-M/config.json" ]; then
+    # 16 streams: nearly every expert is read with or without drafts, so what
+    # a draft adds is rows -- 32 instead of 16 through the dense products
+    set -- $(bench_median "tpot_p50_ms" -m "$M/bench-M" --int8 -p 16 -n 128 --requests 16 --concurrency 16 -t "$T")
+    tp=$1
+    set -- $(bench_median "tpot_p50_ms mtp_drafted mtp_accepted" -m "$M/bench-M" --int8 -p 16 -n 128 --requests 16 \
+        --concurrency 16 -t "$T" --mtp-always)
+    awk -v tp="$tp" -v ta="$1" -v dr="$2" -v ac="$3" 'BEGIN {
+        tps = dr > 0 ? 1 + ac / dr : 1                  # tokens a request gets from a drafting step
+        printf "bench-M int8, 16 streams: TPOT p50 plain %.2f ms, drafting every step %.2f ms (%.1f%% accepted): a drafting step costs %.2fx a plain one\n",
+               tp, ta, (dr > 0 ? 100 * ac / dr : 0), (tp > 0 ? ta * tps / tp : 0) }'
+    echo "(this CPU does $(awk -v i="$I8" -v b="$BW" 'BEGIN { printf "%.0f", b > 0 ? i / b : 0 }') INT8 operations per byte it reads (section 1): 32 rows are past the point where"
+    echo " arithmetic, not memory, sets a product's pace; a 910C die does ~470: docs/how-it-works.md, section 7)"
+fi
 fi
 if want 12; then
 echo
