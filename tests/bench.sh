@@ -319,7 +319,7 @@ if [ -f "$M/bench-M/config.json" ]; then
         tps = dr > 0 ? 1 + ac / dr : 1                  # tokens a request gets from a drafting step
         printf "bench-M int8, 16 streams: TPOT p50 plain %.2f ms, drafting every step %.2f ms (%.1f%% accepted): a drafting step costs %.2fx a plain one\n",
                tp, ta, (dr > 0 ? 100 * ac / dr : 0), (tp > 0 ? ta * tps / tp : 0) }'
-    echo "(this CPU does $(awk -v i="$I8" -v b="$BW" 'BEGIN { printf "%.0f", b > 0 ? i / b : 0 }') INT8 operations per byte it reads (section 1): 32 rows are past the point where"
+    echo "(this CPU does $(awk -v i="$I8" -v b="$BW" 'BEGIN { printf "%.0f", (b > 0 ? i / b : 0) }') INT8 operations per byte it reads (section 1): 32 rows are past the point where"
     echo " arithmetic, not memory, sets a product's pace; a 910C die does ~470: docs/how-it-works.md, section 7)"
 fi
 fi
