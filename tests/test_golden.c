@@ -88,20 +88,29 @@ static double incremental_vs_full(cm384_engine *e, const int32_t *ids, int n, in
 
 /* The reference's greedy continuations, token for token, through the
  * scheduler (prefill, then decode); label prefixes each line. */
+/* Generates the reference's greedy entry g from its prompt (ids, *n) into
+ * out (count, then tokens); 1 if the tokens are the reference's.  *status:
+ * cm384_generate's. */
+static int greedy_matches(cm384_engine *e, const json *g, int32_t ids[256], int *n, int out[64], int *status) {
+    *n = load_ids(json_get(g, "prompt"), ids, 256);
+    const json *gen = json_get(g, "generated");
+    cm384_sampling s;
+    cm384_sampling_init(&s);
+    s.max_tokens = gen->len;
+    s.ignore_eos = 1;
+    memset(out, 0, 64 * sizeof(int));
+    *status = cm384_generate(e, NULL, ids, *n, &s, collect, out);
+    int same = *status == CM384_OK && out[0] == gen->len;
+    for (int t = 0; same && t < gen->len; t++) same = out[1 + t] == (int)gen->kids[t].num;
+    return same;
+}
+
 static void check_greedy(cm384_engine *e, const char *label, const char *same_text) {
     const json *gr = json_get(&ref, "greedy");
     for (int i = 0; i < gr->len; i++) {
         int32_t ids[256];
-        int n = load_ids(json_get(&gr->kids[i], "prompt"), ids, 256);
-        const json *gen = json_get(&gr->kids[i], "generated");
-        cm384_sampling s;
-        cm384_sampling_init(&s);
-        s.max_tokens = gen->len;
-        s.ignore_eos = 1;
-        int out[64] = {0};
-        int r = cm384_generate(e, NULL, ids, n, &s, collect, out);
-        int same = r == CM384_OK && out[0] == gen->len;
-        for (int t = 0; same && t < gen->len; t++) same = out[1 + t] == (int)gen->kids[t].num;
+        int n, r, out[64];
+        int same = greedy_matches(e, &gr->kids[i], ids, &n, out, &r);
         printf("  %sgreedy %d (prompt %d): %s\n", label, i, n, same ? same_text : "DIFFERENT");
         CHECK(same, "%sgreedy run %d differs (status %d)", label, i, r);
     }
@@ -453,19 +462,10 @@ static void check_mtp_drafts(cm384_model *m) {
     if (cm384_engine_create(m, &c, &e)) { CHECK(0, "engine: %s", cm384_last_error()); return; }
     e->dbg_draft = malloc(sizeof(int) * (size_t)e->max_ctx);
     for (int i = 0; i < e->max_ctx; i++) e->dbg_draft[i] = -1;
-    const json *g = &json_get(&ref, "greedy")->kids[1];
     int32_t ids[256];
-    int n = load_ids(json_get(g, "prompt"), ids, 256);
-    const json *gen = json_get(g, "generated");
-    cm384_sampling s;
-    cm384_sampling_init(&s);
-    s.max_tokens = gen->len;
-    s.ignore_eos = 1;
-    int out[64] = {0};
-    int r = cm384_generate(e, NULL, ids, n, &s, collect, out);
-    int same = r == CM384_OK && out[0] == gen->len;
-    for (int t = 0; same && t < gen->len; t++) same = out[1 + t] == (int)gen->kids[t].num;
-    CHECK(same, "greedy run with MTP differs from the reference");
+    int n, r, out[64];
+    int same = greedy_matches(e, &json_get(&ref, "greedy")->kids[1], ids, &n, out, &r);
+    CHECK(same, "greedy run with MTP differs from the reference (status %d)", r);
     int total = n + out[0];
     for (int t = 0; t < out[0]; t++) ids[n + t] = out[1 + t];
     float *lg = malloc(sizeof(float) * total * 1024), *ml = malloc(sizeof(float) * total * 1024);
