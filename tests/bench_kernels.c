@@ -137,18 +137,24 @@ static BENCH_AVX2 int int8_avx2(long iters) {
 }
 
 /* The same with VNNI's vpdpbusd (the avx_vnni / avx512_vnni sets): sign,
- * then one instruction for the 32 products and their sums. */
+ * then one instruction for the 32 products and their sums; 12 chains, as
+ * for zmm (6, or the accumulators left in memory by an unrolled-too-little
+ * loop, measured a latency: under half the kernels' own rate). */
 #define BENCH_VNNI_LOOP(name, tgt, dp)                                                        \
     static __attribute__((target(tgt))) int name(long iters) {                               \
-        __m256i acc[6], x[6], w = _mm256_set1_epi8(3);                                          \
+        __m256i acc[12], x[12], w = _mm256_set1_epi8(3);                                        \
         __m256i wa = _mm256_abs_epi8(w);                                                        \
-        for (int j = 0; j < 6; j++) acc[j] = _mm256_set1_epi32(j), x[j] = _mm256_set1_epi8((char)(j - 3)); \
+        _Pragma("GCC unroll 16")                                                                \
+        for (int j = 0; j < 12; j++) acc[j] = _mm256_set1_epi32(j), x[j] = _mm256_set1_epi8((char)(j - 6)); \
         for (long i = 0; i < iters; i++) {                                                      \
-            for (int j = 0; j < 6; j++) acc[j] = dp(acc[j], wa, _mm256_sign_epi8(x[j], w));     \
-            __asm__ volatile("" : "+x"(x[0]), "+x"(x[1]), "+x"(x[2]), "+x"(x[3]), "+x"(x[4]), "+x"(x[5]), "+x"(w), "+x"(wa)); \
+            _Pragma("GCC unroll 16")                                                            \
+            for (int j = 0; j < 12; j++) acc[j] = dp(acc[j], wa, _mm256_sign_epi8(x[j], w));    \
+            __asm__ volatile("" : "+x"(x[0]), "+x"(x[1]), "+x"(x[2]), "+x"(x[3]), "+x"(x[4]), "+x"(x[5]),       \
+                             "+x"(x[6]), "+x"(x[7]), "+x"(x[8]), "+x"(x[9]), "+x"(x[10]), "+x"(x[11]), "+x"(w), "+x"(wa)); \
         }                                                                                       \
         __m256i s = acc[0];                                                                     \
-        for (int j = 1; j < 6; j++) s = _mm256_add_epi32(s, acc[j]);                            \
+        _Pragma("GCC unroll 16")                                                                \
+        for (int j = 1; j < 12; j++) s = _mm256_add_epi32(s, acc[j]);                           \
         return _mm256_extract_epi32(s, 0);                                                      \
     }
 BENCH_VNNI_LOOP(int8_avx_vnni, GL_VNNI_TARGET, _mm256_dpbusd_avx_epi32)
@@ -189,7 +195,7 @@ static __attribute__((target(GL_A512_TARGET))) int int8_avx512(long iters) {
 #define VNNI512_OPS_PER_ITER  (12 * 64 * 2)
 #define FMA_FLOPS_PER_ITER (12 * 8 * 2)
 #define INT8_OPS_PER_ITER  (6 * 32 * 2)
-#define VNNI_OPS_PER_ITER  (6 * 32 * 2)
+#define VNNI_OPS_PER_ITER  (12 * 32 * 2)
 #endif
 
 #if defined(__aarch64__)
@@ -375,7 +381,7 @@ static double peak_once(limits *L, int kind) {
     double per = kind == 1 ? FMA_FLOPS_PER_ITER : kind == 2 ? INT8_OPS_PER_ITER : SDOT_OPS_PER_ITER;
 #else
     double per = kind == 1 ? FMA_FLOPS_PER_ITER : kind == 6 ? VNNI512_OPS_PER_ITER : kind == 7 ? FMA512_FLOPS_PER_ITER
-               : INT8_OPS_PER_ITER;   /* the same for 256-bit VNNI */
+               : kind == 4 || kind == 5 ? VNNI_OPS_PER_ITER : INT8_OPS_PER_ITER;
 #endif
     return per * (double)L->iters * tasks / time_tasks(L->pn, tasks, limit_task, &j) / 1e9;
 #else
@@ -442,6 +448,34 @@ static double mm_gops(void *ctx) {
 }
 static double bw_measure(void *ctx) { bw_ctx *c = ctx; return bandwidth_once(c->L, c->p); }
 static double peak_measure(void *ctx) { peak_ctx *c = ctx; return peak_once(c->L, c->kind); }
+
+/* ---- the attention core as prefill runs it ----
+ * A tile of 4 queries x 16 heads (64 lanes) against a 512-key latent cache
+ * of 576-wide rows (MLA: kv_lora 512 + rope 64), a KV block of 16 rows per
+ * call: the scores (dot_rows_t), then the weighted latents over the first
+ * 512 columns (axpy_rows_n, 16 heads per call).  A task per tile, every
+ * worker on its own tiles over one shared cache, as t_core runs them. */
+enum { CORE_L = 64, CORE_KEYS_B = 512, CORE_W = 576, CORE_R = 512, CORE_BLK = 16, CORE_TILES = 64 };
+typedef struct { const gl_kernels *k; const float *qt, *kv; float *sc, *lat; int which; } core_bench;
+static void core_task(void *ctx, int task, int worker) {
+    core_bench *c = ctx;
+    (void)task;
+    float *sc = c->sc + (size_t)worker * CORE_L * CORE_KEYS_B, *lat = c->lat + (size_t)worker * CORE_L * CORE_R;
+    if (c->which == 0)
+        for (int j = 0; j < CORE_KEYS_B; j += CORE_BLK)
+            c->k->dot_rows_t(sc + j, CORE_KEYS_B, c->qt, CORE_L, CORE_L, c->kv + (size_t)j * CORE_W, CORE_W, CORE_BLK, CORE_W);
+    else
+        for (int q = 0; q < CORE_L / 16; q++)
+            for (int j = 0; j < CORE_KEYS_B; j += CORE_BLK)
+                c->k->axpy_rows_n(lat + (size_t)q * 16 * CORE_R, CORE_R, c->kv + (size_t)j * CORE_W, CORE_W,
+                                  sc + (size_t)q * 16 * CORE_KEYS_B + j, CORE_KEYS_B, 16, CORE_BLK, CORE_R);
+}
+typedef struct { core_bench c; gl_pool *p; } core_run_ctx;
+static double core_gflops(void *ctx) {
+    core_run_ctx *r = ctx;
+    double t = time_tasks(r->p, CORE_TILES, core_task, &r->c);
+    return 2.0 * CORE_L * CORE_KEYS_B * (r->c.which == 0 ? CORE_W : CORE_R) * CORE_TILES / t / 1e9;
+}
 
 /* ---- pool overhead ---- */
 
@@ -603,6 +637,25 @@ int main(int argc, char **argv) {
             }
             free_mats(w, 8);
         }
+    }
+    /* the attention core (prefill, absorbed MLA): fp32 at the FMA peak */
+    if (fma_peak > 0) {
+        float *qt = xmalloc((size_t)CORE_W * CORE_L * sizeof(float)), *kv = xmalloc((size_t)CORE_KEYS_B * CORE_W * sizeof(float));
+        float *sc = xmalloc((size_t)threads * CORE_L * CORE_KEYS_B * sizeof(float));
+        float *lat = xmalloc((size_t)threads * CORE_L * CORE_R * sizeof(float));
+        for (int i = 0; i < CORE_W * CORE_L; i++) qt[i] = (float)((int)(rng_u64() % 2001) - 1000) / 1000.0f;
+        for (int i = 0; i < CORE_KEYS_B * CORE_W; i++) kv[i] = (float)((int)(rng_u64() % 2001) - 1000) / 1000.0f;
+        for (size_t i = 0; i < (size_t)threads * CORE_L * CORE_KEYS_B; i++) sc[i] = (float)(rng_u64() % 1000) / 1e6f;
+        memset(lat, 0, (size_t)threads * CORE_L * CORE_R * sizeof(float));
+        peak_ctx pc = {&L, fma_kind};
+        for (int which = 0; which < 2; which++) {
+            core_run_ctx cr = {{k, qt, kv, sc, lat, which}, pn};
+            core_gflops(&cr);   /* warm up */
+            snprintf(what, sizeof what, "attention core %s, 64 lanes x 512 keys",
+                     which == 0 ? "scores (dot_rows_t)" : "latents (axpy_rows_n)");
+            paired(what, "GFLOP/s", "fp32 FMA peak", 5, core_gflops, &cr, peak_measure, &pc);
+        }
+        free(qt); free(kv); free(sc); free(lat);
     }
     free(x); free(xq); free(xs); free(y); free(L.buf);
 
