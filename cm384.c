@@ -4646,7 +4646,7 @@ enum { GGUF_TOK_NORMAL = 1, GGUF_TOK_UNKNOWN = 2, GGUF_TOK_CONTROL = 3, GGUF_TOK
  * merges, and the pre-tokenizer the file names. */
 static int gguf_tokenizer(tokenizer **out, const char *path, const gguf_meta *g) {
     *out = NULL;
-    size_t ml, pl;
+    size_t ml = 0, pl = 0;   /* set by gguf_strval when the key is there (gcc -O3 cannot see it) */
     const char *model = gguf_strval(g, "tokenizer.ggml.model", &ml), *pre = gguf_strval(g, "tokenizer.ggml.pre", &pl);
     const gguf_kv *toks = gguf_find(g, "tokenizer.ggml.tokens"), *types = gguf_find(g, "tokenizer.ggml.token_type");
     const gguf_kv *merges = gguf_find(g, "tokenizer.ggml.merges");
@@ -4912,8 +4912,8 @@ static uint32_t gw_ggml_type(int type) {
 /* The token string llama.cpp's converter writes: a vocab token in GPT-2's
  * byte-map characters, an added token as its text. */
 static void gw_token_text(const tokenizer *t, int id, strbuf *b) {
-    const char *p;
-    int n;
+    const char *p = NULL;
+    int n = 0;
     b->n = 0;
     if (b->p) b->p[0] = 0;
     if (tokenizer_piece(t, id, &p, &n) != 0) return;

@@ -120,7 +120,7 @@ amalgamation_check() {
     [ "$a" = "$b" ] || { echo "differs from build/embed: $b"; return 1; }
 }
 step "amalgamation: embed from dist/cm384.c + cm384.h" amalgamation_check
-step "gcc -Wall -Wextra -Werror -c dist/cm384.c" gcc -std=c11 -O2 -Wall -Wextra -Werror -c dist/cm384.c -o "$B/check_amalg.o"
+step "gcc -O2 -Wall -Wextra -Werror -c dist/cm384.c" gcc -std=c11 -O2 -Wall -Wextra -Werror -c dist/cm384.c -o "$B/check_amalg.o"
 
 # the OpenAI-compatible server under real clients: the openai npm package,
 # curl, raw sockets, and a 64-client load run (tests/server/server_test.mjs)
@@ -175,9 +175,9 @@ if [ -x "$B/fuzz/cm384_fuzz" ]; then
 fi
 
 # one translation unit, warning-free, header usable from C++
-step "gcc -Wall -Wextra -Werror -c cm384.c" gcc -std=c11 -O2 -Wall -Wextra -Werror -c cm384.c -o "$B/check_gcc.o"
+step "gcc -O3 -Wall -Wextra -Werror -c cm384.c" gcc -std=c11 -O3 -Wall -Wextra -Werror -c cm384.c -o "$B/check_gcc.o"
 if command -v clang >/dev/null 2>&1; then
-    step "clang -Wall -Wextra -Werror -c cm384.c" clang -std=c11 -O2 -Wall -Wextra -Werror -c cm384.c -o "$B/check_clang.o"
+    step "clang -O3 -Wall -Wextra -Werror -c cm384.c" clang -std=c11 -O3 -Wall -Wextra -Werror -c cm384.c -o "$B/check_clang.o"
 fi
 # the tests too (they include cm384.c): gcc's -O1 warnings, clang's checks
 step "gcc -Wall -Wextra -Werror -O1 tests/main.c" gcc -std=c11 -O1 -Wall -Wextra -Werror -pthread -c tests/main.c -o /dev/null
