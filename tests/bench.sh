@@ -20,6 +20,9 @@
 #  11. MTP: acceptance, tokens per step and the cost of a step with a draft,
 #      at 1 stream and (bench-M INT8) at 16
 #  12. prefill attention: absorbed against expanded (--prefill-expanded)
+#  13. an AVX2 machine's instructions on this one: cm384's avx2 kernel set
+#      against llama.cpp built for AVX2 only (LLAMA_ISA=avx2 make peer),
+#      when this CPU has AVX-512 and that build is there
 # Numbers are medians of RUNS runs (default 3); the machine is shared.
 # BENCH_MODELS="bench-S" limits the models; BENCH_QUICK=1 runs less.
 B=${B:-build}
@@ -29,7 +32,7 @@ M=$B/models
 CLI=$B/cm384
 MODELS=${BENCH_MODELS:-"bench-S bench-M v2lite4"}
 [ -n "$BENCH_QUICK" ] && RUNS=1
-SECTIONS=${BENCH_SECTIONS:-"1 2 3 4 5 6 7 8 9 10 11 12"}
+SECTIONS=${BENCH_SECTIONS:-"1 2 3 4 5 6 7 8 9 10 11 12 13"}
 want() { case " $SECTIONS " in *" $1 "*) return 0 ;; esac; return 1; }
 mkdir -p "$M"
 
@@ -90,6 +93,14 @@ $o"
     echo "$res"
 }
 
+# llama.cpp on the same machine: LLAMA_BENCH=path/to/llama-bench and
+# LLAMA_GGUF_DIR holding <model>-q8_0.gguf and <model>-bf16.gguf (converted
+# from build/models/<model>); by default the peer `make peer` builds beside
+# the main checkout and the files tests/peer/gguf.sh writes there
+PEER=${PEER_DIR:-$(git rev-parse --path-format=absolute --git-common-dir 2>/dev/null | sed 's|/\.git$||')/../peer}
+[ -z "$LLAMA_BENCH" ] && [ -x "$PEER/bin/llama-bench" ] && LLAMA_BENCH=$PEER/bin/llama-bench
+LLAMA_GGUF_DIR=${LLAMA_GGUF_DIR:-$PEER/gguf}
+
 if want 3; then
 echo
 echo "== 3. models: prefill 512 tokens, decode 128 tokens (1 stream), decode 16 streams; medians of $RUNS"
@@ -115,13 +126,6 @@ echo " %peak against the FP32 peak for bf16 and the INT8 peak for int8; tok/s/TF
 echo " ceiling = 16-stream tok/s if the weight bytes its steps read -- each distinct expert once per step -- streamed"
 echo " at the read bandwidth; %ceil = 16-stream tok/s against it)"
 
-# llama.cpp on the same machine: LLAMA_BENCH=path/to/llama-bench and
-# LLAMA_GGUF_DIR holding <model>-q8_0.gguf and <model>-bf16.gguf (converted
-# from build/models/<model>); by default the peer `make peer` builds beside
-# the main checkout and the files tests/peer/gguf.sh writes there
-PEER=${PEER_DIR:-$(git rev-parse --path-format=absolute --git-common-dir 2>/dev/null | sed 's|/\.git$||')/../peer}
-[ -z "$LLAMA_BENCH" ] && [ -x "$PEER/bin/llama-bench" ] && LLAMA_BENCH=$PEER/bin/llama-bench
-LLAMA_GGUF_DIR=${LLAMA_GGUF_DIR:-$PEER/gguf}
 if [ -n "$LLAMA_BENCH" ] && [ -x "$LLAMA_BENCH" ]; then
     echo
     echo "== 3b. llama.cpp on this machine (llama-bench, $T threads) against cm384 on the same weights"
@@ -340,5 +344,26 @@ done
 echo "(expanded: each chunk of 256 cached latents expanded per head into K and V, queries attending with head dimension"
 echo " 192/128 instead of 576/512; prompts are prefilled 512 tokens a step, so a 2,048-token prompt expands its first"
 echo " keys four times.  Same model, other rounding than the absorbed decode path: off by default.)"
+fi
+LLAMA_BENCH_AVX2=${LLAMA_BENCH_AVX2:-$PEER/bin-avx2/llama-bench}
+if want 13 && grep -q avx512f /proc/cpuinfo 2>/dev/null && [ -x "$LLAMA_BENCH_AVX2" ]; then
+echo
+echo "== 13. AVX2 only, on this CPU: cm384 --kernels avx2 against llama.cpp built without AVX-512 or VNNI ($T threads)"
+printf '%-9s %-5s | %12s %12s %7s | %12s %12s %7s\n' model dtype "llama pp512" "cm384 pp512" ratio "llama tg128" "cm384 tg128" ratio
+for name in $MODELS; do
+    for q in q8_0 bf16; do
+        g="$LLAMA_GGUF_DIR/$name-$q.gguf"
+        [ -f "$g" ] || continue
+        flag="--kernels avx2"; [ "$q" = q8_0 ] && flag="$flag --int8"
+        out=$("$LLAMA_BENCH_AVX2" -m "$g" -p 512 -n 128 -t "$T" -r "$RUNS" -o csv 2>/dev/null)
+        lpp=$(echo "$out" | grep '"512","0"' | awk -F'","' '{print $(NF-1)}' | head -n 1)
+        ltg=$(echo "$out" | grep '"0","128"' | awk -F'","' '{print $(NF-1)}' | head -n 1)
+        cpp=$(bench_median "prefill_tok_s" -m "$M/$name" -p 512 -n 1 --requests 1 -t "$T" $flag)
+        ctg=$(bench_median "decode_tok_s" -m "$M/$name" -p 1 -n 128 --requests 1 -t "$T" $flag)
+        printf '%-9s %-5s | %12.1f %12.1f %7s | %12.1f %12.1f %7s\n' "$name" "$q" "$lpp" $cpp "$(ratio $cpp "$lpp")" "$ltg" $ctg "$(ratio $ctg "$ltg")"
+    done
+done
+echo "(the instructions of an AVX2 machine -- Haswell to Alder Lake, Zen 1-3 -- on this one's cores, caches and memory:"
+echo " a stand-in for the AVX2 machine, not a measurement of one.  Same files and runs as 3b)"
 fi
 echo "load average at the end: $(cut -d' ' -f1-3 /proc/loadavg)"
