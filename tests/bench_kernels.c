@@ -11,13 +11,14 @@
  * none stays in cache; n=16 in time per weight byte against n=1; GEMM
  * (n=512, prefill) in GOP/s as a share of the measured peak; and the cost of
  * one empty gl_pool_run.  Every figure is the median of several runs: the
- * machine may be shared. */
+ * machine may be shared.  --bw prints the read bandwidth alone, for make
+ * bench to measure just before each model run. */
 #include "../ggml_like/ggml_like.c"
 
 #include <stdio.h>
 #include <time.h>
 
-static int json, quick, sweep;
+static int json, quick, sweep, bw_only;
 static const char *set_name;   /* --set NAME: measure that kernel set instead of the default */
 static FILE *json_out;   /* --json-out FILE: the JSON lines also go there */
 
@@ -512,11 +513,12 @@ int main(int argc, char **argv) {
         if (!strcmp(argv[i], "--json")) json = 1;
         else if (!strcmp(argv[i], "--quick")) quick = 1;
         else if (!strcmp(argv[i], "--sweep")) sweep = 1;
+        else if (!strcmp(argv[i], "--bw")) bw_only = 1;
         else if (!strcmp(argv[i], "--set") && i + 1 < argc) set_name = argv[++i];
         else if (!strcmp(argv[i], "--json-out") && i + 1 < argc) {
             if (!(json_out = fopen(argv[++i], "w"))) { perror(argv[i]); return 2; }
         } else {
-            fprintf(stderr, "usage: %s [--json] [--json-out FILE] [--quick] [--sweep] [--set NAME]\n", argv[0]);
+            fprintf(stderr, "usage: %s [--json] [--json-out FILE] [--quick] [--sweep] [--set NAME] [--bw]\n", argv[0]);
             return 2;
         }
     }
@@ -525,6 +527,18 @@ int main(int argc, char **argv) {
     int threads = gl_n_cpus();
     gl_pool *p1 = gl_pool_create(1), *pn = gl_pool_create(threads);
     if (!p1 || !pn) { fprintf(stderr, "cannot create the worker pool\n"); return 1; }
+    if (bw_only) {   /* --bw: the read bandwidth alone, all threads, best of 5 (make bench pairs it with each run) */
+        limits L = {p1, pn, NULL, (size_t)256 << 18, 0};
+        L.buf = xmalloc(L.buf_floats * sizeof(float));
+        for (size_t i = 0; i < L.buf_floats; i++) L.buf[i] = (float)(i & 255);
+        double bws[5];
+        for (int i = 0; i < 5; i++) bws[i] = bandwidth_once(&L, pn);
+        printf("%.2f\n", best(bws, 5));
+        free(L.buf);
+        gl_pool_free(p1);
+        gl_pool_free(pn);
+        return 0;
+    }
     if (!json) printf("kernel set %s, %d threads%s\n\n", k->name, threads, quick ? " (quick)" : "");
     double load0 = load_average();
     char what[96], vs[64];
