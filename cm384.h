@@ -166,7 +166,11 @@ typedef struct cm384_load_opts {
     cm384_progress_fn progress;       /* NULL = no progress reports              */
     void             *progress_user;
     int               use_mmap;       /* 1 (default): map the files; 0: read them
-                                         into memory                             */
+                                         into memory advised for 2 MB pages
+                                         (Linux THP): bf16 decode then streams
+                                         its weights with fewer TLB misses, for
+                                         a longer load (INT8 copies always get
+                                         such a block)                           */
     int               check_values;   /* 1: scan weights for NaN/Inf (slow); 0   */
     int               int8;           /* 1: make the INT8 W8A8 weights during the
                                          load (stage "quantize", part of the

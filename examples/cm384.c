@@ -42,7 +42,7 @@ typedef struct opts {
     int         bf16_combine, time_shared, skewed, kv_bf16, prefill_expanded;
     struct { int device, kind; unsigned long long step; } fails[16];   /* --fail, in order */
     int         n_fails;
-    int         report, json, int8, int8_dispatch, mtp, bos, quiet, verbose, check_values, progress, no_warmup;
+    int         report, json, int8, int8_dispatch, mtp, bos, quiet, verbose, check_values, progress, no_warmup, no_mmap;
     double      temperature, top_p, min_p, shared_prefix, tpot_target;
     unsigned long long seed;
     const char *out, *type;                   /* convert                      */
@@ -74,6 +74,7 @@ static const option options[] = {
     {"-o", C_CONVERT, O_STR, F(out), 0, 0, 0, "FILE", "the GGUF file to write"},
     {"--type", C_CONVERT, O_STR, F(type), 0, 0, 0, "T", "bf16 (default), f16, f32 or q8_0"},
     {"--check-values", C_ALL, O_FLAG, F(check_values), 0, 0, 1, NULL, "scan every weight for NaN/Inf while loading (slow)"},
+    {"--no-mmap", C_ALL, O_FLAG, F(no_mmap), 0, 0, 1, NULL, "read the weight files into memory (huge pages) instead of mapping them"},
     {"--progress", C_ALL, O_FLAG, F(progress), 0, 0, 1, NULL, "show the load's progress whatever the model's size (default: over 64 MB)"},
     {"-p", C_RUN, O_STR, F(prompt), 0, 0, 0, "TEXT", "the prompt (or give it as the argument)"},
     {"-p", C_BENCH, O_INT, F(n_prompt), 1, 1 << 20, 0, "N", "prompt tokens per request (default 128)"},
@@ -402,6 +403,7 @@ static int load(const opts *o, cm384_model **m) {
     lo.progress = on_progress;
     progress.force = o->progress;
     lo.check_values = o->check_values;
+    lo.use_mmap = !o->no_mmap;
     lo.int8 = o->int8;
     lo.cache_dir = o->int8 ? o->cache_dir : NULL;     /* the model cache: INT8 weights mapped from it, or saved there */
     int r = cm384_model_load(o->model, &lo, m);

@@ -10,6 +10,7 @@
 #      bandwidth, GOP/s against the measured peak, tok/s per TFLOPS
 #      3b. llama.cpp's llama-bench on the same weights, when the peer is built
 #      3c. decode after prompts of 16 to 4,000 tokens (what the context costs)
+#      3d. bf16 decode with the files mapped against read into huge pages
 #   4. the supernode: decode scaling over 1/4/16/64 streams, the emulation
 #      tax (default topology vs one device), the paper preset
 #   5. context cache and INT8 dispatch
@@ -176,6 +177,21 @@ if [ -f "$LC/config.json" ] && [ -z "$BENCH_QUICK" ]; then
     echo " a lone query's core runs as four lanes over the keys, docs/how-it-works.md section 10)"
 fi
 
+# bf16 weights are the file's own bytes: mapped (4 KB pages of the page
+# cache) or, with --no-mmap, read into memory advised for 2 MB pages
+echo
+echo "== 3d. bf16 decode (1 stream, 128 tokens): the files mapped (default) against read into huge pages (--no-mmap); medians of $RUNS"
+printf '%-9s | %9s %7s %7s | %9s %7s %7s | %7s\n' model "mapped/s" "%bw" "load s" "read/s" "%bw" "load s" ratio
+for name in $MODELS; do
+    [ -f "$M/$name/config.json" ] || continue
+    set -- $(bench_median "decode_tok_s decode_weight_gbs/bw load_s" -m "$M/$name" -p 1 -n 128 --requests 1 -t "$T")
+    a=$1; abw=$2; al=$3
+    set -- $(bench_median "decode_tok_s decode_weight_gbs/bw load_s" -m "$M/$name" -p 1 -n 128 --requests 1 -t "$T" --no-mmap)
+    printf '%-9s | %9.1f %7s %7.2f | %9.1f %7s %7.2f | %7s\n' "$name" "$a" "$(pct "$abw" 1)" "$al" "$1" "$(pct "$2" 1)" "$3" "$(ratio "$1" "$a")"
+done
+echo "(a streamed page costs a TLB miss: 4 KB pages for a mapping, 2 MB for memory read in.  INT8 weights, made at"
+echo " load, are always in one huge-page block.  --no-mmap costs the read at load and keeps the weights in the"
+echo " process's own memory rather than the page cache)"
 fi
 SM=$M/bench-M
 [ -f "$SM/config.json" ] || SM=$M/bench-S

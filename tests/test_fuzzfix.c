@@ -29,7 +29,7 @@ static void ff_misaligned_16bit(void) {
             uint16_t h = type == GL_F16 ? gl_f32_to_f16(want[i % 6]) : gl_f32_to_bf16(want[i % 6]);
             memcpy(file + 8 + hl + 2 * i, &h, 2);
         }
-        file_map f = {file, size, 0};
+        file_map f = {file, size, 0, NULL};
         cm384_model m;
         memset(&m, 0, sizeof m);
         char *names[1] = {"odd.safetensors"};

@@ -9,7 +9,7 @@
  * input buffer is exactly its size). */
 
 static int fuzz_safetensors(const uint8_t *data, size_t size) {
-    file_map f = {data, size, 0};
+    file_map f = {data, size, 0, NULL};
     cm384_model m;
     memset(&m, 0, sizeof m);
     char *names[1] = {"fuzz.safetensors"};
