@@ -76,26 +76,30 @@ for name in $MODELS; do
 done
 
 # run N times, print the median of a JSON field list: "f1 f2 ..." -> "m1 m2 ..."
-# A field "f/bw" is f over the read bandwidth measured just before that run
-# (bench_kernels --bw): on a shared machine the bandwidth drifts, and a
-# ratio against a limit measured minutes earlier can pass 100%.
+# A field "f/bw", "f/fp32" or "f/int8" is f over the read bandwidth, FP32 or
+# INT8 peak measured just before that run (bench_kernels --now), or over
+# section 1's if that was higher: on a shared machine the limits drift, and
+# a ratio against one measured minutes earlier can pass 100%; the higher of
+# the two never flatters a run.
 bench_median() {   # bench_median "fields" cli-args...
     fields=$1; shift
     outs=""
     i=0
     while [ $i -lt "$RUNS" ]; do
-        bwb=""
-        case " $fields " in *"/bw "*) bwb=$($B/bench_kernels --bw 2>/dev/null) ;; esac
+        lim=""
+        case " $fields " in *"/"*) lim=$($B/bench_kernels --now 2>/dev/null) ;; esac
         o=$($CLI bench "$@" --json 2>/dev/null)
         outs="$outs
-$o bw_before=$bwb"
+$o limits_before= $lim"
         i=$((i + 1))
     done
     res=""
     for f in $fields; do
         case $f in
-        */bw) v=$(echo "$outs" | sed -n "s/.*\"${f%/bw}\":\([-0-9.e]*\).* bw_before=\([0-9.]*\)\$/\1 \2/p" |
-                 awk '$2 > 0 { print $1 / $2 }' | median) ;;
+        */bw | */fp32 | */int8)
+            col=3; g=$BW; case $f in */fp32) col=4; g=$FP ;; */int8) col=5; g=$I8 ;; esac
+            v=$(echo "$outs" | sed -n "s/.*\"${f%/*}\":\([-0-9.e]*\).* limits_before= \(.*\)\$/\1 \2/p" |
+                awk -v c="$col" -v g="${g:-0}" '{ l = $(c - 1); if (g > l) l = g } l > 0 { print $1 / l }' | median) ;;
         *) v=$(echo "$outs" | sed -n "s/.*\"$f\":\([-0-9.e]*\).*/\1/p" | median) ;;
         esac
         res="$res $v"
@@ -118,25 +122,26 @@ printf '%-9s %-5s | %9s %8s %7s | %9s %8s %7s %9s | %9s %7s %9s %6s\n' model dty
     "decode" "GB/s" "%bw" "tok/s/TF" "16 strm" "x 1-st" "ceiling" "%ceil"
 for name in $MODELS; do
     for q in bf16 int8; do
-        flag=""; peak=$FP
-        [ "$q" = int8 ] && flag="--int8" && peak=$I8
-        set -- $(bench_median "prefill_tok_s prefill_gops decode_tok_s decode_weight_gbs decode_weight_gbs/bw" -m "$M/$name" -p 512 -n 128 --requests 1 -t "$T" $flag)
-        pf=$1; gops=$2; dec=$3; gbs=$4; fbw=$5
+        flag=""; peak=$FP; lk=fp32
+        [ "$q" = int8 ] && flag="--int8" && peak=$I8 && lk=int8
+        set -- $(bench_median "prefill_tok_s prefill_gops decode_tok_s decode_weight_gbs decode_weight_gbs/bw prefill_gops/$lk" \
+            -m "$M/$name" -p 512 -n 128 --requests 1 -t "$T" $flag)
+        pf=$1; gops=$2; dec=$3; gbs=$4; fbw=$5; fpk=$6
         set -- $(bench_median "decode_tok_s decode_steps_weight_gbs decode_steps_weight_gbs/bw" -m "$M/$name" -p 64 -n 64 --requests 16 --concurrency 16 -t "$T" $flag)
         n16=$1; g16=$2; f16=$3
         # the ceiling: the steps' own weight bytes (each distinct expert once) at the read bandwidth
         # measured beside the runs (their median share of it, f16, is %ceil)
         ceil=$(awk -v n="$n16" -v f="$f16" 'BEGIN { if (f > 0) printf "%.1f", n / f; else print 0 }')
         tf=$(awk -v d="$dec" -v p="$peak" 'BEGIN { printf "%.1f", d / (p / 1000) }')
-        printf '%-9s %-5s | %9.1f %8.1f %7s | %9.1f %8.2f %7s %9s | %9.1f %7s %9.1f %6s\n' "$name" "$q" "$pf" "$gops" "$(pct "$gops" "$peak")" \
+        printf '%-9s %-5s | %9.1f %8.1f %7s | %9.1f %8.2f %7s %9s | %9.1f %7s %9.1f %6s\n' "$name" "$q" "$pf" "$gops" "$(pct "$fpk" 1)" \
             "$dec" "$gbs" "$(pct "$fbw" 1)" "$tf" $n16 "$(ratio $n16 "$dec")" "$ceil" "$(pct "$f16" 1)"
     done
 done
 echo "(prefill GOP/s = 2 x active parameters but the head x tok/s; GB/s = active weight bytes read per token x tok/s;"
 echo " %peak against the FP32 peak for bf16 and the INT8 peak for int8; tok/s/TF = decode tok/s per TFLOPS of that peak;"
 echo " ceiling = 16-stream tok/s if the weight bytes its steps read -- each distinct expert once per step -- streamed"
-echo " at the read bandwidth; %ceil = 16-stream tok/s against it.  %bw and %ceil: each run against the read bandwidth"
-echo " measured just before it (bench_kernels --bw), median over runs)"
+echo " at the read bandwidth; %ceil = 16-stream tok/s against it.  %peak, %bw and %ceil: each run against the limit"
+echo " measured just before it (bench_kernels --now) or the one above, whichever is higher; median over runs)"
 
 if [ -n "$LLAMA_BENCH" ] && [ -x "$LLAMA_BENCH" ]; then
     echo

@@ -11,14 +11,15 @@
  * none stays in cache; n=16 in time per weight byte against n=1; GEMM
  * (n=512, prefill) in GOP/s as a share of the measured peak; and the cost of
  * one empty gl_pool_run.  Every figure is the median of several runs: the
- * machine may be shared.  --bw prints the read bandwidth alone, for make
- * bench to measure just before each model run. */
+ * machine may be shared.  --now prints the limits alone (read bandwidth,
+ * FP32 and INT8 peaks, all threads), for make bench to measure just
+ * before each model run. */
 #include "../ggml_like/ggml_like.c"
 
 #include <stdio.h>
 #include <time.h>
 
-static int json, quick, sweep, bw_only;
+static int json, quick, sweep, now_only;
 static const char *set_name;   /* --set NAME: measure that kernel set instead of the default */
 static FILE *json_out;   /* --json-out FILE: the JSON lines also go there */
 
@@ -513,12 +514,12 @@ int main(int argc, char **argv) {
         if (!strcmp(argv[i], "--json")) json = 1;
         else if (!strcmp(argv[i], "--quick")) quick = 1;
         else if (!strcmp(argv[i], "--sweep")) sweep = 1;
-        else if (!strcmp(argv[i], "--bw")) bw_only = 1;
+        else if (!strcmp(argv[i], "--now")) now_only = 1;
         else if (!strcmp(argv[i], "--set") && i + 1 < argc) set_name = argv[++i];
         else if (!strcmp(argv[i], "--json-out") && i + 1 < argc) {
             if (!(json_out = fopen(argv[++i], "w"))) { perror(argv[i]); return 2; }
         } else {
-            fprintf(stderr, "usage: %s [--json] [--json-out FILE] [--quick] [--sweep] [--set NAME] [--bw]\n", argv[0]);
+            fprintf(stderr, "usage: %s [--json] [--json-out FILE] [--quick] [--sweep] [--set NAME] [--now]\n", argv[0]);
             return 2;
         }
     }
@@ -527,19 +528,7 @@ int main(int argc, char **argv) {
     int threads = gl_n_cpus();
     gl_pool *p1 = gl_pool_create(1), *pn = gl_pool_create(threads);
     if (!p1 || !pn) { fprintf(stderr, "cannot create the worker pool\n"); return 1; }
-    if (bw_only) {   /* --bw: the read bandwidth alone, all threads, best of 5 (make bench pairs it with each run) */
-        limits L = {p1, pn, NULL, (size_t)256 << 18, 0};
-        L.buf = xmalloc(L.buf_floats * sizeof(float));
-        for (size_t i = 0; i < L.buf_floats; i++) L.buf[i] = (float)(i & 255);
-        double bws[5];
-        for (int i = 0; i < 5; i++) bws[i] = bandwidth_once(&L, pn);
-        printf("%.2f\n", best(bws, 5));
-        free(L.buf);
-        gl_pool_free(p1);
-        gl_pool_free(pn);
-        return 0;
-    }
-    if (!json) printf("kernel set %s, %d threads%s\n\n", k->name, threads, quick ? " (quick)" : "");
+    if (!json && !now_only) printf("kernel set %s, %d threads%s\n\n", k->name, threads, quick ? " (quick)" : "");
     double load0 = load_average();
     char what[96], vs[64];
 
@@ -557,6 +546,16 @@ int main(int argc, char **argv) {
     if (!strcmp(k->name, "avx512_vnni")) int8_kind = 5;
     if (!strcmp(k->name, "avx512")) int8_kind = 6, fma_kind = 7;
 #endif
+    if (now_only) {   /* --now: the limits alone, all threads (make bench measures them before each run) */
+        double bws[5], fs[3], is[3];
+        for (int i = 0; i < 5; i++) bws[i] = bandwidth_once(&L, pn);
+        for (int i = 0; i < 3; i++) { fs[i] = peak_once(&L, fma_kind); is[i] = peak_once(&L, int8_kind); }
+        printf("%.2f %.1f %.1f\n", best(bws, 5), best(fs, 3), best(is, 3));
+        free(L.buf);
+        gl_pool_free(p1);
+        gl_pool_free(pn);
+        return 0;
+    }
     double bw1s[7], bwns[7], fmas[5], int8s[5];
     for (int i = 0; i < 7; i++) { bw1s[i] = bandwidth_once(&L, p1); bwns[i] = bandwidth_once(&L, pn); }
     for (int i = 0; i < 5; i++) { fmas[i] = peak_once(&L, fma_kind); int8s[i] = peak_once(&L, int8_kind); }
