@@ -3873,8 +3873,9 @@ struct cm384_model {
     gl_mat        q8_head;        /* lm_head in INT8                                       */
     arena         q8_arena;
     void         *q8_block;       /* the INT8 copies' bytes, in one huge-page block        */
-    file_map      q8_file;        /* the model cache's mapped INT8 weights, if used        */
+    file_map      q8_file;        /* the model cache's INT8 weights, if used               */
     char         *cache_dir;      /* load opts: where the model cache is kept (or NULL)     */
+    int           use_mmap;       /* load opts: map files (the model cache's too), or read  */
     /* load-time progress */
     cm384_progress_fn progress;
     void         *progress_user;
@@ -4837,6 +4838,7 @@ int cm384_model_load(const char *path, const cm384_load_opts *opts, cm384_model 
     pthread_mutex_init(&m->q8_mu, NULL);
     m->progress = o.progress;
     m->progress_user = o.progress_user;
+    m->use_mmap = o.use_mmap;
     if (opts && opts->struct_size > offsetof(cm384_load_opts, cache_dir) && o.cache_dir && o.cache_dir[0]) {
         m->cache_dir = strdup(o.cache_dir);
         if (!m->cache_dir) { free(m->path); pthread_mutex_destroy(&m->q8_mu); free(m); return fail(CM384_E_NOMEM, "out of memory"); }
@@ -8009,9 +8011,14 @@ static void t_quantize_weight(void *ctx, int task, int worker) {
 /* ---- the model cache: INT8 weights kept in cache_dir ---- */
 /* The INT8 copies take a full pass over the weights to make (about a minute
  * for V2-Lite's 31 GB of BF16).  With cache_dir set they are written once to
- * <cache_dir>/<model fingerprint>.q8 and memory-mapped by later loads of the
- * same model.  The file is trusted only if its header, every matrix's shape
- * and a checksum over all of its bytes agree; otherwise it is remade. */
+ * <cache_dir>/<model fingerprint>.q8 and mapped by later loads of the same
+ * model -- or, with use_mmap = 0, read into memory advised for 2 MB pages,
+ * as the copies made at load are: decode streams them every token, 4 KB
+ * pages of the page cache cost it a TLB miss each (V2-Lite-4 INT8 decode
+ * 76.7 -> 82.6 tok/s, 6 alternating runs), and the read costs the load a
+ * first touch of every page (here 0.5 -> 3.1-4.0 s for 2 GB).  The file is
+ * trusted only if its header, every matrix's shape and a checksum over all
+ * of its bytes agree; otherwise it is remade. */
 
 #define Q8F_MAGIC "CM384Q8\1"
 
@@ -8030,11 +8037,11 @@ static size_t q8f_data_at(int n_mats) {
     return (sizeof(q8f_header) + (size_t)n_mats * 8 + 63) & ~(size_t)63;
 }
 
-/* Maps the file if it holds exactly these matrices; points them into it. */
-static int q8f_map(cm384_model *m, const char *path, q8_job *jobs, int n, uint64_t fp, const char **why) {
+/* Maps or reads the file if it holds exactly these matrices; points them into it. */
+static int q8f_read(cm384_model *m, const char *path, q8_job *jobs, int n, uint64_t fp, const char **why) {
     file_map f;
     *why = "cannot be opened";
-    if (access(path, R_OK) || file_map_open(&f, path, 1)) return 0;
+    if (access(path, R_OK) || file_map_open(&f, path, m->use_mmap)) return 0;
     size_t at = q8f_data_at(n), data = 0;
     for (int i = 0; i < n; i++) data += q8f_mat_bytes(jobs[i].dst);
     q8f_header h;
@@ -8203,7 +8210,7 @@ static void q8_walk(cm384_model *m, layer_q8 *q8, q8_plan *pl) {
 
 /* Makes the INT8 copies once per model (the first caller does; later ones
  * find them).  With cache_dir they come from the model cache when it holds
- * them (mapped, not made), and are saved there when made.  progress may be
+ * them (mapped or read, not made), and are saved there when made.  progress may be
  * NULL: engines make them silently; a load with int8 = 1 reports stage
  * "quantize" in bytes of copies made, in about 50 steps, and may be
  * cancelled between steps.  e (may be NULL) gets the model cache's log lines. */
@@ -8226,16 +8233,16 @@ static int model_make_q8(cm384_model *m, gl_pool *pool, cm384_progress_fn progre
     /* the model cache first; else make them (and keep them there) */
     char path[4096];
     uint64_t fp = 0;
-    int mapped = 0;
+    int from_cache = 0;
     if (!pl.status && cache_dir) {
         fp = model_fingerprint(m);
         snprintf(path, sizeof path, "%s/%016llx.q8", cache_dir, (unsigned long long)fp);
         const char *why = NULL;
-        mapped = q8f_map(m, path, pl.jobs, pl.n, fp, &why);
-        if (!mapped && e && strcmp(why, "cannot be opened")) engine_log(e, 2, "model cache: %s ignored: %s; remade", path, why);
-        if (mapped && e) engine_log(e, 1, "model cache: INT8 weights mapped from %s", path);
+        from_cache = q8f_read(m, path, pl.jobs, pl.n, fp, &why);
+        if (!from_cache && e && strcmp(why, "cannot be opened")) engine_log(e, 2, "model cache: %s ignored: %s; remade", path, why);
+        if (from_cache && e) engine_log(e, 1, "model cache: INT8 weights %s %s", m->use_mmap ? "mapped from" : "read from", path);
     }
-    if (mapped) {
+    if (from_cache) {
         int r = progress && progress(user, "quantize", pl.bytes, pl.bytes)
               ? fail(CM384_E_CANCELLED, "%s: loading cancelled by the progress callback", m->path) : CM384_OK;
         m->q8 = q8;

@@ -178,8 +178,9 @@ typedef struct cm384_load_opts {
                                          0 (default): the first such engine makes
                                          them, without progress                  */
     const char       *cache_dir;      /* with int8: the model cache's folder -- the
-                                         INT8 weights are mapped from it when it
-                                         holds them for this model, else made and
+                                         INT8 weights are mapped (use_mmap) or
+                                         read from it when it holds them for
+                                         this model, else made and
                                          saved there (as cm384_config.cache_dir
                                          does for an engine).  NULL: none        */
 } cm384_load_opts;

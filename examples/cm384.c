@@ -405,7 +405,7 @@ static int load(const opts *o, cm384_model **m) {
     lo.check_values = o->check_values;
     lo.use_mmap = !o->no_mmap;
     lo.int8 = o->int8;
-    lo.cache_dir = o->int8 ? o->cache_dir : NULL;     /* the model cache: INT8 weights mapped from it, or saved there */
+    lo.cache_dir = o->int8 ? o->cache_dir : NULL;     /* the model cache: INT8 weights mapped or read from it, or saved there */
     int r = cm384_model_load(o->model, &lo, m);
     progress_end();
     if (r) return die("loading the model", r);

@@ -187,7 +187,14 @@ expect 0 "" "$CLI" run -m "$M" -n 6 -t 1 --int8 --cache-dir "$tmp/mc" -p Hello
 cp "$out" "$tmp/mc_first"
 if ls "$tmp/mc"/*.q8 >/dev/null 2>&1 || ls "$tmp/mc"/*/*.q8 >/dev/null 2>&1; then ok; else bad "no INT8 model cache file in $tmp/mc: $(ls -R "$tmp/mc")"; fi
 expect 0 "" "$CLI" run -m "$M" -n 6 -t 1 --int8 --cache-dir "$tmp/mc" -p Hello
-if cmp -s "$out" "$tmp/mc_first"; then ok; else bad "the INT8 weights mapped from the model cache gave other text"; fi
+if cmp -s "$out" "$tmp/mc_first"; then ok; else bad "the INT8 weights from the model cache gave other text"; fi
+# read into memory instead of mapped (and the model's files too): the same
+# text, and the file was used, not remade (a remade one is a new inode)
+ino() { ls -i "$tmp/mc"/*.q8 "$tmp/mc"/*/*.q8 2>/dev/null | awk '{print $1}' | sort | tr '\n' ' '; }
+before=$(ino)
+expect 0 "" "$CLI" run -m "$M" -n 6 -t 1 --int8 --no-mmap --cache-dir "$tmp/mc" -p Hello
+if cmp -s "$out" "$tmp/mc_first"; then ok; else bad "the INT8 weights read from the model cache gave other text"; fi
+if [ -n "$before" ] && [ "$(ino)" = "$before" ]; then ok; else bad "--no-mmap: the model cache file was remade ($before -> $(ino))"; fi
 
 # the server's options: every number checked whole, with its range named,
 # before any model is loaded (exit 2)

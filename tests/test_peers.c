@@ -632,7 +632,7 @@ static void pe_model_cache(void) {
         cm384_model_free(m);
         int same = pass == 0 || pe_same(j, &runs[0]);
         printf("model cache, %s: INT8 weights %s, tokens %s\n", pass == 0 ? "first load" : pass == 1 ? "second load" : "damaged file",
-               pe_n_mapped ? "mapped from cache_dir" : "made", same ? "identical" : "DIFFERENT");
+               pe_n_mapped ? "from cache_dir" : "made", same ? "identical" : "DIFFERENT");
         CHECK(same && j->status == CM384_OK, "model cache pass %d: tokens differ", pass);
         CHECK(pe_n_mapped == (pass == 1), "pass %d: mapped %d times", pass, pe_n_mapped);
         CHECK(pe_n_remade == (pass == 2), "pass %d: %d damaged-file log lines", pass, pe_n_remade);
