@@ -8256,9 +8256,10 @@ static int model_make_q8(cm384_model *m, gl_pool *pool, cm384_progress_fn progre
      * tok/s, medians of 5 alternating runs).  Each matrix starts on a cache
      * line.  An AddressSanitizer build gives each matrix its own allocation,
      * so that a kernel reading past one is still caught. */
-    size_t q8_total = 0, q8_off = 0;
+    size_t q8_off = 0;
     char *q8_base = NULL;
 #if !CM384_ASAN
+    size_t q8_total = 0;
     for (int i = 0; !pl.status && i < pl.n; i++)
         q8_total += ((size_t)pl.jobs[i].dst->rows * pl.jobs[i].dst->cols + 63) & ~(size_t)63;
     const size_t huge = (size_t)2 << 20;

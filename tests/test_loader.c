@@ -12,6 +12,8 @@
 static char tmp_root[256];
 
 static int ld_read_all(const char *path, uint8_t **data, size_t *size) {
+    *data = NULL;
+    *size = 0;
     FILE *f = fopen(path, "rb");
     if (!f) return -1;
     fseek(f, 0, SEEK_END);

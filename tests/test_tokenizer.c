@@ -429,7 +429,7 @@ static void run_api_cases(const char *dir, const tokenizer *real, const tokenize
     r = tokenizer_encode(real, bad, sizeof bad - 1, got_ids, MAX_IDS, 0);
     strbuf raw = {0};
     for (int i = 0; i < r; i++) {
-        const char *pb; int pl;
+        const char *pb = ""; int pl = 0;
         tokenizer_piece(real, got_ids[i], &pb, &pl);
         sb_putn(&raw, pb, (size_t)pl);
     }
@@ -511,7 +511,7 @@ static void run_api_cases(const char *dir, const tokenizer *real, const tokenize
     result(r == 3 && !memcmp(out, "\xEF\xBF\xBD", 3) && st.n_pending == 0, "flush of a cut code point: %d", r);
 
     /* pieces and flags */
-    const char *pb; int pl;
+    const char *pb = ""; int pl = 0;
     result(tokenizer_piece(real, 128803, &pb, &pl) == 0 && pl == (int)strlen("<｜User｜>") && !memcmp(pb, "<｜User｜>", (size_t)pl),
            "piece of <｜User｜>");
     result(tokenizer_piece(real, 223, &pb, &pl) == 0 && pl == 1 && pb[0] == ' ', "piece of id 223 is a space");
@@ -579,7 +579,7 @@ static char *splice_variant(const char *tiny, size_t n, const json *v) {
     strbuf o = {0};
     md += 10;
     sb_putn(&o, tiny, (size_t)(ae - 1 - tiny));   /* extra added tokens go last, as in the generator */
-    if (added) { sb_puts(&o, ","); sb_putn(&o, added + 1, strlen(added) - 2); }
+    if (added && strlen(added) >= 2) { sb_puts(&o, ","); sb_putn(&o, added + 1, strlen(added) - 2); }
     sb_putn(&o, ae - 1, (size_t)(a + 16 - (ae - 1)));
     sb_puts(&o, pre);
     sb_putn(&o, b, (size_t)(md - b));
