@@ -5799,6 +5799,7 @@ static void mm_chunk_task(void *ctx, int arg, int c, int worker) {
 #define SMALL_WORK_BYTES (256u << 10)
 #define SMALL_TASK_MACS (4u << 20)    /* a prefill task beside decode: ~0.2-0.5 ms on a core */
 #define SMALL_TASK_TOKENS 64        /* ... and its tokens, when the products allow it */
+#define SMALL_TASK_PACKED 32        /* ... and at least these (the packed W8A8 panels' threshold, A512_PK_MIN) */
 
 /* Adds job jb (which must stay alive until the region has run). */
 static void region_add_mm(region *rg, int n_workers, mm_job *jb, int device) {
@@ -5828,11 +5829,16 @@ static void region_add_mm(region *rg, int n_workers, mm_job *jb, int device) {
        tokens too (each row's result is the same whatever batch it is in) */
     size_t macs = (size_t)chunk * jb->w->cols * (size_t)jb->n;
     if (rg->small_tasks && macs > SMALL_TASK_MACS) {
-        /* fewer rows before fewer tokens: a GEMM of SMALL_TASK_TOKENS+ tokens
-           runs on packed weight panels, up to twice as fast per product */
-        if (jb->n >= SMALL_TASK_TOKENS && chunk > 64 &&
-            (size_t)chunk * jb->w->cols * SMALL_TASK_TOKENS > SMALL_TASK_MACS) {
-            size_t rows = 2 * (size_t)SMALL_TASK_MACS / ((size_t)jb->w->cols * SMALL_TASK_TOKENS);
+        /* fewer rows before fewer tokens: a W8A8 product of SMALL_TASK_PACKED+
+           tokens runs on packed weight panels, up to twice as fast per
+           product as the tiles fewer tokens get -- so the rows go down to
+           64 (one packed panel) before the tokens go under all of them, or
+           SMALL_TASK_TOKENS (an expert's 48 tokens had been cut to 12-16:
+           half of V2-Lite-4's prefill products ran on the tiles) */
+        int want = jb->n < SMALL_TASK_TOKENS ? jb->n : SMALL_TASK_TOKENS;
+        size_t budget = jb->n >= SMALL_TASK_TOKENS ? 2 * (size_t)SMALL_TASK_MACS : SMALL_TASK_MACS;
+        if (chunk > 64 && (size_t)chunk * jb->w->cols * want > budget) {
+            size_t rows = budget / ((size_t)jb->w->cols * want);
             int c = rows < 64 ? 64 : (int)(rows & ~(size_t)63);
             if (c < chunk) {
                 chunk = c;
@@ -5840,9 +5846,11 @@ static void region_add_mm(region *rg, int n_workers, mm_job *jb, int device) {
                 jb->n_row_chunks = (jb->w->rows + chunk - 1) / chunk;
             }
         }
-        size_t per = (size_t)chunk * jb->w->cols, budget = jb->n >= SMALL_TASK_TOKENS ? 2 * (size_t)SMALL_TASK_MACS : SMALL_TASK_MACS;
+        size_t per = (size_t)chunk * jb->w->cols;
         int t = (int)(budget / (per ? per : 1));
-        if (t < SMALL_TASK_TOKENS) t = (int)(SMALL_TASK_MACS / (per ? per : 1));   /* rows too long: the old cut */
+        /* up to twice the budget to reach the packed panels: they run it
+           in about the time the tiles take for the budget */
+        if (t < SMALL_TASK_PACKED && jb->n >= SMALL_TASK_PACKED && per * SMALL_TASK_PACKED <= 2 * budget) t = SMALL_TASK_PACKED;
         t = t < 4 ? 4 : t & ~3;
         if (t < jb->n) jb->tok_chunk = t;
     }
