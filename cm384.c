@@ -159,6 +159,20 @@ static void advise_huge(void *p, size_t n) {
 #endif
 }
 
+/* n bytes starting on a 2 MB boundary, advised for huge pages, for weights
+ * that decode streams every token (one TLB entry per 2 MB instead of per
+ * 4 KB).  Under 2 MB, or in an AddressSanitizer build, a plain malloc.
+ * *raw gets what to free; NULL when out of memory. */
+static void *huge_alloc(size_t n, void **raw) {
+    const size_t huge = (size_t)2 << 20, pad = n >= huge && !CM384_ASAN ? huge : 0;
+    uint8_t *p = malloc(n + pad);
+    *raw = p;
+    if (!p || !pad) return p;
+    p = (uint8_t *)(((uintptr_t)p + huge - 1) & ~(uintptr_t)(huge - 1));
+    advise_huge(p, n);
+    return p;
+}
+
 /* Growable byte buffer (strings built at load time, never on the token path). */
 typedef struct { char *p; size_t n, cap; int oom; } strbuf;
 
@@ -217,22 +231,14 @@ static int file_map_open(file_map *f, const char *path, int use_mmap) {
         f->data = p; f->mapped = 1;
         return CM384_OK;
     }
-    /* read into a block advised for huge pages (the weights are then
-       streamed with a TLB entry per 2 MB, as the INT8 copies are) */
-    const size_t huge = (size_t)2 << 20, pad = f->size >= huge && !CM384_ASAN ? huge : 0;
-    uint8_t *raw = malloc(f->size + pad), *buf = raw;
-    if (!raw) { close(fd); return fail(CM384_E_NOMEM, "%s: cannot allocate %zu bytes", path, f->size); }
-    if (pad) {
-        buf = (uint8_t *)(((uintptr_t)raw + huge - 1) & ~(uintptr_t)(huge - 1));
-        advise_huge(buf, f->size);
-    }
-    f->raw = raw;
+    uint8_t *buf = huge_alloc(f->size, &f->raw);   /* streamed as the INT8 copies are */
+    if (!buf) { close(fd); return fail(CM384_E_NOMEM, "%s: cannot allocate %zu bytes", path, f->size); }
     size_t got = 0;
     while (got < f->size) {
         ssize_t r = read(fd, buf + got, f->size - got);
         if (r <= 0) {
             if (r < 0 && errno == EINTR) continue;
-            free(raw); close(fd);
+            free(f->raw); f->raw = NULL; close(fd);
             return fail(CM384_E_IO, "%s: read failed at byte %zu", path, got);
         }
         got += (size_t)r;
@@ -8270,14 +8276,8 @@ static int model_make_q8(cm384_model *m, gl_pool *pool, cm384_progress_fn progre
     size_t q8_total = 0;
     for (int i = 0; !pl.status && i < pl.n; i++)
         q8_total += ((size_t)pl.jobs[i].dst->rows * pl.jobs[i].dst->cols + 63) & ~(size_t)63;
-    const size_t huge = (size_t)2 << 20;
-    if (!pl.status && q8_total >= huge) {
-        if (!(m->q8_block = malloc(q8_total + huge))) pl.status = fail(CM384_E_NOMEM, "out of memory for INT8 weights");
-        else {
-            q8_base = (char *)(((uintptr_t)m->q8_block + huge - 1) & ~(uintptr_t)(huge - 1));
-            advise_huge(q8_base, q8_total);
-        }
-    }
+    if (!pl.status && q8_total >= ((size_t)2 << 20) && !(q8_base = huge_alloc(q8_total, &m->q8_block)))
+        pl.status = fail(CM384_E_NOMEM, "out of memory for INT8 weights");
 #endif
     for (int i = 0; !pl.status && i < pl.n; i++) {
         gl_mat *dst = pl.jobs[i].dst;
