@@ -38,6 +38,17 @@
 
 #define A512_NR 4      /* weight rows per tile   */
 #define A512_NT 4      /* tokens per tile        */
+/* Wide tiles for prefill's bf16 products, 24 sums of the 32
+ * registers: whichever operand streams in from L2 should serve as many
+ * vectors of the other as the registers allow.  Row panels (the panel in
+ * L1, tokens from L2) take 6 rows x 4 tokens: 2048x2048 bf16 x 128 tokens
+ * went from 58-63% to 70-77% of the FMA peak.  A slice that stays in L2
+ * (tokens_outer: the tokens in L1, the rows from L2) takes 4 rows x 6
+ * tokens: bf16 prefill of 512 tokens, bench-M 707 -> 821 tok/s, V2-Lite-4
+ * 346 -> 385 (medians of 8 and 6 alternating runs).  bf16 only: see
+ * a512_tokens_outer. */
+#define A512_NR_WIDE 6
+#define A512_NT_WIDE 6
 /* 1-2 tokens (decode) on rows of 1 KB or more go one row at a time: the
  * rows then stream from DRAM as one sequential run, while a panel's four
  * rows read side by side are four streams a row apart, which Zen 5's
@@ -149,20 +160,20 @@ GL_A512_INLINE void a512_tile(int type, const gl_mat *w, int r, int nr, const fl
     const int cols = w->cols, full = cols & ~15;
     const size_t es = gl_type_size(type);
     const int bcols = (cols + GL_F8_BLOCK - 1) / GL_F8_BLOCK;
-    const uint8_t *wr[A512_NR];
-    const float *wsc[A512_NR];
-    __m512 acc[A512_NR][A512_NT], s[A512_NR], wv[A512_NR];
-#pragma GCC unroll 4
+    const uint8_t *wr[A512_NR_WIDE];
+    const float *wsc[A512_NR_WIDE];
+    __m512 acc[A512_NR_WIDE][A512_NT_WIDE], s[A512_NR_WIDE], wv[A512_NR_WIDE];
+#pragma GCC unroll 6
     for (int k = 0; k < nr; k++) {
         wr[k] = (const uint8_t *)w->data + (size_t)(r + k) * (size_t)cols * es;
         wsc[k] = type == GL_F8_E4M3 ? w->scale + (size_t)((r + k) / GL_F8_BLOCK) * (size_t)bcols : NULL;
         s[k] = _mm512_setzero_ps();
-#pragma GCC unroll 4
+#pragma GCC unroll 6
         for (int t = 0; t < nt; t++) acc[k][t] = _mm512_setzero_ps();
     }
     for (int cb = 0; cb < cols; cb += GL_F8_BLOCK) {
         if (type == GL_F8_E4M3) {
-#pragma GCC unroll 4
+#pragma GCC unroll 6
             for (int k = 0; k < nr; k++) s[k] = _mm512_set1_ps(wsc[k][cb / GL_F8_BLOCK] * 256.0f);
         }
         int ce = cb + GL_F8_BLOCK < full ? cb + GL_F8_BLOCK : full;
@@ -171,41 +182,44 @@ GL_A512_INLINE void a512_tile(int type, const gl_mat *w, int r, int nr, const fl
             _mm_prefetch((const char *)pc, _MM_HINT_NTA);
             if (nr * es * 16 > 64) _mm_prefetch((const char *)pc + 64, _MM_HINT_NTA);
             if (nr * es * 16 > 128) { _mm_prefetch((const char *)pc + 128, _MM_HINT_NTA); _mm_prefetch((const char *)pc + 192, _MM_HINT_NTA); }
-#pragma GCC unroll 4
+#pragma GCC unroll 6
             for (int k = 0; k < nr; k++) wv[k] = a512_load_w(type, wr[k] + (size_t)c * es, s[k], 0, 1);
-#pragma GCC unroll 4
+#pragma GCC unroll 6
             for (int t = 0; t < nt; t++) {
                 __m512 xv = _mm512_loadu_ps(x + (size_t)t * ldx + c);
-#pragma GCC unroll 4
+#pragma GCC unroll 6
                 for (int k = 0; k < nr; k++) acc[k][t] = _mm512_fmadd_ps(wv[k], xv, acc[k][t]);
             }
         }
     }
     if (full < cols) {   /* the zero-padded last block; s[] holds its scale */
         const __mmask16 m = a512_mask16(cols - full);
-#pragma GCC unroll 4
+#pragma GCC unroll 6
         for (int k = 0; k < nr; k++) wv[k] = a512_load_w(type, wr[k] + (size_t)full * es, s[k], m, 0);
-#pragma GCC unroll 4
+#pragma GCC unroll 6
         for (int t = 0; t < nt; t++) {
             __m512 xv = _mm512_maskz_loadu_ps(m, x + (size_t)t * ldx + full);
-#pragma GCC unroll 4
+#pragma GCC unroll 6
             for (int k = 0; k < nr; k++) acc[k][t] = _mm512_fmadd_ps(wv[k], xv, acc[k][t]);
         }
     }
-    if (nr == 4 && nt == 4) {
+    /* 4 rows x 4 tokens reduced together, the rest of a wide tile one sum
+       at a time: the same pairs in the same order, so the same bits */
+    const int quad = nr >= 4 && nt >= 4;
+    if (quad) {
         __m512 a[16];
         for (int k = 0; k < 4; k++)
             for (int t = 0; t < 4; t++) a[4 * k + t] = acc[k][t];   /* lane 4t+k <- a[4k+t] */
         a512_store4x4(a512_reduce16(a), y, ldy, r);
-        return;
     }
-#pragma GCC unroll 4
+#pragma GCC unroll 6
     for (int t = 0; t < nt; t++)
-#pragma GCC unroll 4
-        for (int k = 0; k < nr; k++) y[(size_t)t * ldy + r + k] = a512_hsum(acc[k][t]);
+#pragma GCC unroll 6
+        for (int k = 0; k < nr; k++)
+            if (!quad || k >= 4 || t >= 4) y[(size_t)t * ldy + r + k] = a512_hsum(acc[k][t]);
 }
 
-/* The tile for nt = 1..4 tokens (nr stays a constant). */
+/* The tile for nt = 1..4 tokens (nr stays a constant); _wide: 1..6. */
 GL_A512_INLINE void a512_tile_nt(int type, const gl_mat *w, int r, int nr, const float *x, int ldx, int nt,
                                  float *y, int ldy, const uint8_t *pf) {
     switch (nt) {
@@ -214,6 +228,12 @@ GL_A512_INLINE void a512_tile_nt(int type, const gl_mat *w, int r, int nr, const
     case 2: a512_tile(type, w, r, nr, x, ldx, 2, y, ldy, pf); break;
     case 1: a512_tile(type, w, r, nr, x, ldx, 1, y, ldy, pf); break;
     }
+}
+GL_A512_INLINE void a512_tile_nt_wide(int type, const gl_mat *w, int r, int nr, const float *x, int ldx, int nt,
+                                      float *y, int ldy, const uint8_t *pf) {
+    if (nt == 6) a512_tile(type, w, r, nr, x, ldx, 6, y, ldy, pf);
+    else if (nt == 5) a512_tile(type, w, r, nr, x, ldx, 5, y, ldy, pf);
+    else a512_tile_nt(type, w, r, nr, x, ldx, nt, y, ldy, pf);
 }
 
 /* Rows [r, r1) in panels of nr, times n tokens (as avx2_panels). */
@@ -241,10 +261,23 @@ GL_A512_INLINE void a512_panels(int type, const gl_mat *w, int nr, const float *
 #define A512_L1_BYTES (40 << 10)
 #define A512_L2_SLICE_BYTES (384 << 10)
 
-GL_A512_INLINE void a512_tokens_outer(int type, const gl_mat *w, const float *x, int n, int ldx,
+/* wide (a constant): the wide tiles, for bf16 only -- each tile shape is
+ * another copy of the tile's code, and the other types are rare in
+ * prefill's products. */
+GL_A512_INLINE void a512_tokens_outer(int type, int wide, const gl_mat *w, const float *x, int n, int ldx,
                                       float *y, int ldy, int r0, int r1) {
     const int r = r0 + (r1 - r0) / A512_NR * A512_NR;
     const uint8_t *base = (const uint8_t *)w->data;
+    if (wide) {
+        for (int i = 0; i < n; i += A512_NT_WIDE) {
+            const int nt = n - i < A512_NT_WIDE ? n - i : A512_NT_WIDE;
+            const float *xi = x + (size_t)i * ldx;
+            float *yi = y + (size_t)i * ldy;
+            for (int rr = r0; rr < r; rr += A512_NR) a512_tile_nt_wide(type, w, rr, A512_NR, xi, ldx, nt, yi, ldy, base);
+            for (int rr = r; rr < r1; rr++) a512_tile_nt_wide(type, w, rr, 1, xi, ldx, nt, yi, ldy, base);
+        }
+        return;
+    }
     for (int i = 0; i < n; i += A512_NT) {
         const int nt = n - i < A512_NT ? n - i : A512_NT;
         const float *xi = x + (size_t)i * ldx;
@@ -254,32 +287,36 @@ GL_A512_INLINE void a512_tokens_outer(int type, const gl_mat *w, const float *x,
     }
 }
 
-GL_A512_INLINE void a512_matmul_typed(int type, const gl_mat *w, const float *x, int n, int ldx,
+GL_A512_INLINE void a512_matmul_typed(int type, int wide, const gl_mat *w, const float *x, int n, int ldx,
                                       float *y, int ldy, int r0, int r1) {
     const size_t slice = (size_t)(r1 - r0) * (size_t)w->cols * gl_type_size(type);
     if (n > A512_NT && (slice <= A512_L1_BYTES || (gl_type_size(type) <= 2 && slice <= A512_L2_SLICE_BYTES))) {
-        a512_tokens_outer(type, w, x, n, ldx, y, ldy, r0, r1);
+        a512_tokens_outer(type, wide, w, x, n, ldx, y, ldy, r0, r1);
         return;
     }
     const int nb = gl_token_block(w->cols, 4), r = a512_panels_end(n, (size_t)w->cols * gl_type_size(type), r0, r1);
+    /* rows [r0, r6) in panels of 6, [r6, r4) of 4, the rest one at a time */
+    const int r6 = wide && n > A512_NT ? r0 + (r1 - r0) / A512_NR_WIDE * A512_NR_WIDE : r0;
+    const int r4 = r6 + (r - r6) / A512_NR * A512_NR;
     for (int i0 = 0; i0 < n; i0 += nb) {
         const int ni = n - i0 < nb ? n - i0 : nb;
-        a512_panels(type, w, A512_NR, x + (size_t)i0 * ldx, ni, ldx, y + (size_t)i0 * ldy, ldy, r0, r);
-        a512_panels(type, w, 1, x + (size_t)i0 * ldx, ni, ldx, y + (size_t)i0 * ldy, ldy, r, r1);
+        if (wide) a512_panels(type, w, A512_NR_WIDE, x + (size_t)i0 * ldx, ni, ldx, y + (size_t)i0 * ldy, ldy, r0, r6);
+        a512_panels(type, w, A512_NR, x + (size_t)i0 * ldx, ni, ldx, y + (size_t)i0 * ldy, ldy, r6, r4);
+        a512_panels(type, w, 1, x + (size_t)i0 * ldx, ni, ldx, y + (size_t)i0 * ldy, ldy, r4, r1);
     }
 }
 
 static GL_A512 void a512_matmul_f32(const gl_mat *w, const float *x, int n, int ldx, float *y, int ldy, int r0, int r1) {
-    a512_matmul_typed(GL_F32, w, x, n, ldx, y, ldy, r0, r1);
+    a512_matmul_typed(GL_F32, 0, w, x, n, ldx, y, ldy, r0, r1);
 }
 static GL_A512 void a512_matmul_f16(const gl_mat *w, const float *x, int n, int ldx, float *y, int ldy, int r0, int r1) {
-    a512_matmul_typed(GL_F16, w, x, n, ldx, y, ldy, r0, r1);
+    a512_matmul_typed(GL_F16, 0, w, x, n, ldx, y, ldy, r0, r1);
 }
 static GL_A512 void a512_matmul_bf16(const gl_mat *w, const float *x, int n, int ldx, float *y, int ldy, int r0, int r1) {
-    a512_matmul_typed(GL_BF16, w, x, n, ldx, y, ldy, r0, r1);
+    a512_matmul_typed(GL_BF16, 1, w, x, n, ldx, y, ldy, r0, r1);
 }
 static GL_A512 void a512_matmul_f8(const gl_mat *w, const float *x, int n, int ldx, float *y, int ldy, int r0, int r1) {
-    a512_matmul_typed(GL_F8_E4M3, w, x, n, ldx, y, ldy, r0, r1);
+    a512_matmul_typed(GL_F8_E4M3, 0, w, x, n, ldx, y, ldy, r0, r1);
 }
 
 static void a512_matmul(const gl_mat *w, const float *x, int n, int ldx, float *y, int ldy, int r0, int r1) {
@@ -740,6 +777,34 @@ GL_A512_INLINE __m512 a512_row16(const void *x, size_t i, __mmask16 k, int bf16)
     return bf16 ? a512_bf16x16((const uint16_t *)x + i, k) : _mm512_maskz_loadu_ps(k, (const float *)x + i);
 }
 
+/* Four heads' sums over columns [c, c + 64): 16 accumulators, so each x
+ * vector loaded serves four heads and each weight broadcast four vectors --
+ * half a load per FMA. */
+GL_A512_INLINE void a512_axpy4x64(float *y, int ldy, const void *x, int ldx, const float *a, int lda, int m, int c,
+                                  int bf16) {
+    const __mmask16 all = 0xffff;
+    const float *a0 = a, *a1 = a0 + lda, *a2 = a1 + lda, *a3 = a2 + lda;
+    float *y0 = y + c, *y1 = y0 + ldy, *y2 = y1 + ldy, *y3 = y2 + ldy;
+#define A512_LD4(s, yk) __m512 s##0 = _mm512_loadu_ps(yk), s##1 = _mm512_loadu_ps(yk + 16), \
+                               s##2 = _mm512_loadu_ps(yk + 32), s##3 = _mm512_loadu_ps(yk + 48)
+#define A512_FMA4(s, ak) do { const __m512 v_ = _mm512_set1_ps(ak[j]); \
+        s##0 = _mm512_fmadd_ps(v_, x0, s##0); s##1 = _mm512_fmadd_ps(v_, x1, s##1); \
+        s##2 = _mm512_fmadd_ps(v_, x2, s##2); s##3 = _mm512_fmadd_ps(v_, x3, s##3); } while (0)
+#define A512_ST4(s, yk) do { _mm512_storeu_ps(yk, s##0); _mm512_storeu_ps(yk + 16, s##1); \
+        _mm512_storeu_ps(yk + 32, s##2); _mm512_storeu_ps(yk + 48, s##3); } while (0)
+    A512_LD4(s0, y0); A512_LD4(s1, y1); A512_LD4(s2, y2); A512_LD4(s3, y3);
+    for (int j = 0; j < m; j++) {    /* named sums: an array of them made gcc store each step */
+        const size_t xr = (size_t)j * ldx + c;
+        const __m512 x0 = a512_row16(x, xr, all, bf16), x1 = a512_row16(x, xr + 16, all, bf16);
+        const __m512 x2 = a512_row16(x, xr + 32, all, bf16), x3 = a512_row16(x, xr + 48, all, bf16);
+        A512_FMA4(s0, a0); A512_FMA4(s1, a1); A512_FMA4(s2, a2); A512_FMA4(s3, a3);
+    }
+    A512_ST4(s0, y0); A512_ST4(s1, y1); A512_ST4(s2, y2); A512_ST4(s3, y3);
+#undef A512_LD4
+#undef A512_FMA4
+#undef A512_ST4
+}
+
 /* Four outputs (heads) at a time over 32 columns: each x vector loaded
  * serves four heads.  Every element is y = fma(a_j, x_j, y) for j in order,
  * as a512_axpy_rows -- on fp32 rows, or on bf16 rows widened in registers
@@ -747,11 +812,17 @@ GL_A512_INLINE __m512 a512_row16(const void *x, size_t i, __mmask16 k, int bf16)
 GL_A512_INLINE void a512_axpy_rows_n_of(float *y, int ldy, const void *x, int ldx, const float *a, int lda, int nh,
                                         int m, int n, int bf16) {
     const __mmask16 all = 0xffff;
+    /* 64 columns at a time, every group of four heads in turn: the rows'
+     * 64 columns stay in L1 for all of them */
+    const int c64 = nh >= 4 ? n / 64 * 64 : 0;
+    for (int c = 0; c < c64; c += 64)
+        for (int h = 0; h + 4 <= nh; h += 4)
+            a512_axpy4x64(y + (size_t)h * ldy, ldy, x, ldx, a + (size_t)h * lda, lda, m, c, bf16);
     int h = 0;
     for (; h + 4 <= nh; h += 4) {
         float *y0 = y + (size_t)h * ldy, *y1 = y0 + ldy, *y2 = y1 + ldy, *y3 = y2 + ldy;
         const float *a0 = a + (size_t)h * lda, *a1 = a0 + lda, *a2 = a1 + lda, *a3 = a2 + lda;
-        int c = 0;
+        int c = c64;
         for (; c + 32 <= n; c += 32) {
             __m512 s00 = _mm512_loadu_ps(y0 + c), s01 = _mm512_loadu_ps(y0 + c + 16);
             __m512 s10 = _mm512_loadu_ps(y1 + c), s11 = _mm512_loadu_ps(y1 + c + 16);
@@ -906,6 +977,40 @@ GL_A512_INLINE void a512_dot1_row(const float *qt, size_t ldq, __mmask16 mk, con
     _mm512_storeu_ps(t, a0);
     for (int l = 0; l < nl; l++) y[(size_t)l * ldy] = t[l];
 }
+/* 64 lanes (four vectors of qt) against 4 rows: each qt vector loaded
+ * serves four rows and each row element broadcast serves 64 lanes -- half a
+ * load per FMA, where one vector against 16 rows took one (and the core
+ * ran at 70% of the FMA peak, bound by loads). */
+GL_A512_INLINE void a512_dot4x4_rows(const float *qt, size_t ldq, const float *x, size_t ldx, int n, float *y,
+                                     int ldy) {
+    const size_t L = ldx * sizeof(float);
+    const char *p = (const char *)x;
+    __m512 a00 = _mm512_setzero_ps(), a01 = a00, a02 = a00, a03 = a00, a10 = a00, a11 = a00, a12 = a00, a13 = a00;
+    __m512 a20 = a00, a21 = a00, a22 = a00, a23 = a00, a30 = a00, a31 = a00, a32 = a00, a33 = a00;
+    const float *q = qt;
+    for (int c = 0; c < n; c++, q += ldq, p += 4) {
+        const __m512 q0 = _mm512_loadu_ps(q), q1 = _mm512_loadu_ps(q + 16);
+        const __m512 q2 = _mm512_loadu_ps(q + 32), q3 = _mm512_loadu_ps(q + 48);
+        __m512 b = A512_BC(p, 0);
+        a00 = _mm512_fmadd_ps(q0, b, a00); a01 = _mm512_fmadd_ps(q1, b, a01);
+        a02 = _mm512_fmadd_ps(q2, b, a02); a03 = _mm512_fmadd_ps(q3, b, a03);
+        b = A512_BC(p, L);
+        a10 = _mm512_fmadd_ps(q0, b, a10); a11 = _mm512_fmadd_ps(q1, b, a11);
+        a12 = _mm512_fmadd_ps(q2, b, a12); a13 = _mm512_fmadd_ps(q3, b, a13);
+        b = A512_BC(p, 2 * L);
+        a20 = _mm512_fmadd_ps(q0, b, a20); a21 = _mm512_fmadd_ps(q1, b, a21);
+        a22 = _mm512_fmadd_ps(q2, b, a22); a23 = _mm512_fmadd_ps(q3, b, a23);
+        b = A512_BC(p, 3 * L);
+        a30 = _mm512_fmadd_ps(q0, b, a30); a31 = _mm512_fmadd_ps(q1, b, a31);
+        a32 = _mm512_fmadd_ps(q2, b, a32); a33 = _mm512_fmadd_ps(q3, b, a33);
+    }
+    const __m512 v0[4] = {a00, a10, a20, a30}, v1[4] = {a01, a11, a21, a31};
+    const __m512 v2[4] = {a02, a12, a22, a32}, v3[4] = {a03, a13, a23, a33};
+    a512_store_rows_t(v0, 4, y, ldy, 16);
+    a512_store_rows_t(v1, 4, y + (size_t)16 * ldy, ldy, 16);
+    a512_store_rows_t(v2, 4, y + (size_t)32 * ldy, ldy, 16);
+    a512_store_rows_t(v3, 4, y + (size_t)48 * ldy, ldy, 16);
+}
 #undef A512_BC
 
 /* dot_rows_t over bf16 rows, with the same FMAs in the same order as on
@@ -1009,7 +1114,17 @@ static GL_A512 void a512_dot_rows_t_bf16(float *y, int ldy, const float *qt, int
 
 static GL_A512 void a512_dot_rows_t(float *y, int ldy, const float *qt, int ldq, int nl, const float *x, int ldx, int m,
                                     int n) {
-    for (int l0 = 0; l0 < nl; l0 += 16) {
+    int l0 = 0;
+    for (; l0 + 64 <= nl && m >= 4; l0 += 64) {   /* 64 lanes at a time, 4 rows at a time */
+        int j = 0;
+        for (; j + 4 <= m; j += 4)
+            a512_dot4x4_rows(qt + l0, (size_t)ldq, x + (size_t)j * ldx, (size_t)ldx, n, y + (size_t)l0 * ldy + j, ldy);
+        for (; j < m; j++)
+            for (int v = 0; v < 4; v++)
+                a512_dot1_row(qt + l0 + 16 * v, (size_t)ldq, (__mmask16)0xffff, x + (size_t)j * ldx, n,
+                              y + (size_t)(l0 + 16 * v) * ldy + j, ldy, 16);
+    }
+    for (; l0 < nl; l0 += 16) {
         const int nw = nl - l0 < 16 ? nl - l0 : 16;
         const __mmask16 mk = nw == 16 ? (__mmask16)0xffff : a512_mask16(nw);
         const float *q = qt + l0;

@@ -318,7 +318,7 @@ static double fp_tol(int cols, double sum_abs) { return 2.0 * (cols / 8 + 8) * l
  * and close to the scalar set. */
 static void test_axpy_rows(const gl_kernels *k) {
     const gl_kernels *s = gl_kernels_scalar();
-    static const int ns[] = {1, 7, 8, 31, 32, 33, 512, 515}, ms[] = {1, 3, 16};
+    static const int ns[] = {1, 7, 8, 31, 32, 33, 100, 512, 515}, ms[] = {1, 3, 16};
     float *x = xmalloc(16 * 600 * sizeof(float)), *p = xmalloc(16 * sizeof(float));
     float *y = xmalloc(600 * sizeof(float)), *y1 = xmalloc(600 * sizeof(float)), *ys = xmalloc(600 * sizeof(float));
     for (size_t ni = 0; ni < sizeof ns / sizeof *ns; ni++)
@@ -362,10 +362,10 @@ static void test_axpy_rows(const gl_kernels *k) {
  * vector; the scalar set (plain multiply-adds) within rounding of it.  The
  * outputs' gaps (ldy > m) are left untouched. */
 static void test_dot_rows_t(const gl_kernels *k) {
-    static const int ns[] = {1, 19, 576}, ms[] = {1, 4, 5, 16, 19, 33}, nls[] = {1, 5, 16, 17, 40, 64};
+    static const int ns[] = {1, 19, 576}, ms[] = {1, 4, 5, 16, 19, 33}, nls[] = {1, 5, 16, 17, 40, 64, 80, 130};
     const int simd = strcmp(k->name, "scalar") != 0;
-    float *x = xmalloc(33 * 580 * sizeof(float)), *qt = xmalloc(576 * 70 * sizeof(float));
-    float *y = xmalloc(64 * 40 * sizeof(float));
+    float *x = xmalloc(33 * 580 * sizeof(float)), *qt = xmalloc(576 * 132 * sizeof(float));
+    float *y = xmalloc(130 * 40 * sizeof(float));
     for (size_t ni = 0; ni < sizeof ns / sizeof *ns; ni++)
         for (size_t mi = 0; mi < sizeof ms / sizeof *ms; mi++)
             for (size_t li = 0; li < sizeof nls / sizeof *nls; li++) {
@@ -404,7 +404,7 @@ static void test_dot_rows_t(const gl_kernels *k) {
 static void test_bf16_rows(const gl_kernels *k) {
     check(k->dot_rows_t_bf16 && k->axpy_rows_n_bf16, "%s: has no bf16-row kernels", k->name);
     if (!k->dot_rows_t_bf16 || !k->axpy_rows_n_bf16) return;
-    static const int ns[] = {1, 2, 19, 33, 512, 576}, ms[] = {1, 3, 5, 16, 17, 23, 33}, nls[] = {1, 5, 16, 17, 40};
+    static const int ns[] = {1, 2, 19, 33, 512, 576}, ms[] = {1, 3, 5, 16, 17, 23, 33}, nls[] = {1, 5, 16, 17, 40, 64, 80};
     for (size_t ni = 0; ni < sizeof ns / sizeof *ns; ni++)
         for (size_t mi = 0; mi < sizeof ms / sizeof *ms; mi++) {
             int n = ns[ni], m = ms[mi], ldx = n + 3;
@@ -734,7 +734,7 @@ static void test_invariance(const gl_kernels *k, gl_pool *pool2, gl_pool *pool4)
     static const int colss[] = {7, 129, 300, 8200};   /* 8200: several token blocks */
     for (int type = 0; type < GL_TYPE_COUNT; type++)
         for (size_t ci = 0; ci < 4; ci++) {
-            int cols = colss[ci], rows = cols > 1000 ? 19 : 131, n = 37, ldx = cols + 5, ldy = rows + 3;
+            int cols = colss[ci], rows = cols > 1000 ? 25 : 131, n = 37, ldx = cols + 5, ldy = rows + 3;
             if (cols > 1000 && k == gl_kernels_scalar()) continue;   /* one code path, no blocks: spare the time */
             test_mat t = make_mat(type, rows, cols);
             test_act a = make_act(k, n, cols, ldx);
