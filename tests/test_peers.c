@@ -263,10 +263,19 @@ static void pe_arrivals(cm384_model *m) {
                 for (int t = 0; ok && t < got[i].n_out && t < 64; t++) ok = got[i].out[t] == ref[i].out[t];
                 same += ok;
             }
+            int64_t short_steps = e->peers ? e->peers[LANE_PREFILL].short_steps : 0;
             printf("  %-16s %-7s: %2d/%d identical to alone on one device, %llu prefill and %llu decode steps, "
-                   "%llu decode steps inside prefill steps\n", ts ? "time-shared loop" : "peers", preset, same, ND + NL,
+                   "%llu decode steps inside prefill steps, %lld prefill steps as short tasks\n",
+                   ts ? "time-shared loop" : "peers", preset, same, ND + NL,
                    (unsigned long long)st.prefill_steps, (unsigned long long)st.decode_steps,
-                   (unsigned long long)st.decode_steps_in_prefill);
+                   (unsigned long long)st.decode_steps_in_prefill, (long long)short_steps);
+            /* short tasks exactly while a request decodes: the long prompts'
+               steps, not the first one (nothing decoding yet); never in the
+               time-shared loop, where no decode step can wait on them */
+            if (ts) CHECK(short_steps == 0, "time-shared: %lld prefill steps cut into short tasks", (long long)short_steps);
+            else CHECK(short_steps >= NL && short_steps < (int64_t)st.prefill_steps,
+                       "peers (%s): %lld of %llu prefill steps as short tasks (want the %d long prompts', not the first)",
+                       preset, (long long)short_steps, (unsigned long long)st.prefill_steps, NL);
             CHECK(same == ND + NL && finals == ND + NL, "%s: %d/%d identical, %d single finals", preset, same, ND + NL, finals);
             if (ts) CHECK(st.decode_steps_in_prefill == 0, "time-shared: a decode step ran inside a prefill step");
             else CHECK(st.decode_steps_in_prefill > 0, "peers (%s): no decode step ran while a long prompt was prefilled", preset);
