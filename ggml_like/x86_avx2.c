@@ -547,6 +547,15 @@ GL_AVX2_INLINE void avx2_dot8_rows(const float *qt, size_t ldq, __m256i mk, cons
     }
     avx2_store8_rows_t(a0, a1, a2, a3, a4, a5, a6, a7, y, ldy, nl);
 }
+/* Rows' 16-lane accumulators (two vectors each, built after the loop)
+ * stored transposed: lane l of row j to y[l * ldy + j]. */
+GL_AVX2_INLINE void avx2_store16_rows_t(const __m256 acc[][2], int rows, float *y, int ldy) {
+    float t[6][16];
+    for (int j = 0; j < rows; j++) _mm256_storeu_ps(t[j], acc[j][0]), _mm256_storeu_ps(t[j] + 8, acc[j][1]);
+    for (int l = 0; l < 16; l++)
+        for (int j = 0; j < rows; j++) y[(size_t)l * ldy + j] = t[j][l];
+}
+
 /* 16 lanes (two vectors of qt) against 6 rows: each qt vector loaded
  * serves six rows and each broadcast two vectors -- 8 loads per 12 FMAs,
  * where 8 rows x one vector took 9 per 8 (load-bound: 72% of the FMA
@@ -573,12 +582,8 @@ GL_AVX2_INLINE void avx2_dot16x6_rows(const float *qt, size_t ldq, const float *
         b = AVX2_BC(p1, 2 * L);
         a50 = _mm256_fmadd_ps(q0, b, a50); a51 = _mm256_fmadd_ps(q1, b, a51);
     }
-    float t[6][16];
-    _mm256_storeu_ps(t[0], a00); _mm256_storeu_ps(t[0] + 8, a01); _mm256_storeu_ps(t[1], a10); _mm256_storeu_ps(t[1] + 8, a11);
-    _mm256_storeu_ps(t[2], a20); _mm256_storeu_ps(t[2] + 8, a21); _mm256_storeu_ps(t[3], a30); _mm256_storeu_ps(t[3] + 8, a31);
-    _mm256_storeu_ps(t[4], a40); _mm256_storeu_ps(t[4] + 8, a41); _mm256_storeu_ps(t[5], a50); _mm256_storeu_ps(t[5] + 8, a51);
-    for (int l = 0; l < 16; l++)
-        for (int j = 0; j < 6; j++) y[(size_t)l * ldy + j] = t[j][l];
+    const __m256 acc[6][2] = {{a00, a01}, {a10, a11}, {a20, a21}, {a30, a31}, {a40, a41}, {a50, a51}};
+    avx2_store16_rows_t(acc, 6, y, ldy);
 }
 /* The same for 4 rows (a block of 16 keys: 6 + 6 + 4). */
 GL_AVX2_INLINE void avx2_dot16x4_rows(const float *qt, size_t ldq, const float *x, size_t ldx, int n, float *y,
@@ -598,11 +603,8 @@ GL_AVX2_INLINE void avx2_dot16x4_rows(const float *qt, size_t ldq, const float *
         b = AVX2_BC(p, 3 * L);
         a30 = _mm256_fmadd_ps(q0, b, a30); a31 = _mm256_fmadd_ps(q1, b, a31);
     }
-    float t[4][16];
-    _mm256_storeu_ps(t[0], a00); _mm256_storeu_ps(t[0] + 8, a01); _mm256_storeu_ps(t[1], a10); _mm256_storeu_ps(t[1] + 8, a11);
-    _mm256_storeu_ps(t[2], a20); _mm256_storeu_ps(t[2] + 8, a21); _mm256_storeu_ps(t[3], a30); _mm256_storeu_ps(t[3] + 8, a31);
-    for (int l = 0; l < 16; l++)
-        for (int j = 0; j < 4; j++) y[(size_t)l * ldy + j] = t[j][l];
+    const __m256 acc[4][2] = {{a00, a01}, {a10, a11}, {a20, a21}, {a30, a31}};
+    avx2_store16_rows_t(acc, 4, y, ldy);
 }
 #undef AVX2_BC
 

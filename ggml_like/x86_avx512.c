@@ -42,7 +42,8 @@
  * registers: whichever operand streams in from L2 should serve as many
  * vectors of the other as the registers allow.  Row panels (the panel in
  * L1, tokens from L2) take 6 rows x 4 tokens: 2048x2048 bf16 x 128 tokens
- * went from 58-63% to 70-77% of the FMA peak.  A slice that stays in L2
+ * went from 58-63% to 70-77% of the FMA peak in one set of alternating
+ * runs, 54-59% to 61-68% in another.  A slice that stays in L2
  * (tokens_outer: the tokens in L1, the rows from L2) takes 4 rows x 6
  * tokens: bf16 prefill of 512 tokens, bench-M 707 -> 821 tok/s, V2-Lite-4
  * 346 -> 385 (medians of 8 and 6 alternating runs).  bf16 only: see
@@ -219,7 +220,7 @@ GL_A512_INLINE void a512_tile(int type, const gl_mat *w, int r, int nr, const fl
             if (!quad || k >= 4 || t >= 4) y[(size_t)t * ldy + r + k] = a512_hsum(acc[k][t]);
 }
 
-/* The tile for nt = 1..4 tokens (nr stays a constant); _wide: 1..6. */
+/* The tile for nt = 1..4 tokens (nr stays a constant); _of with wide: 1..6. */
 GL_A512_INLINE void a512_tile_nt(int type, const gl_mat *w, int r, int nr, const float *x, int ldx, int nt,
                                  float *y, int ldy, const uint8_t *pf) {
     switch (nt) {
@@ -229,10 +230,10 @@ GL_A512_INLINE void a512_tile_nt(int type, const gl_mat *w, int r, int nr, const
     case 1: a512_tile(type, w, r, nr, x, ldx, 1, y, ldy, pf); break;
     }
 }
-GL_A512_INLINE void a512_tile_nt_wide(int type, const gl_mat *w, int r, int nr, const float *x, int ldx, int nt,
-                                      float *y, int ldy, const uint8_t *pf) {
-    if (nt == 6) a512_tile(type, w, r, nr, x, ldx, 6, y, ldy, pf);
-    else if (nt == 5) a512_tile(type, w, r, nr, x, ldx, 5, y, ldy, pf);
+GL_A512_INLINE void a512_tile_nt_of(int type, int wide, const gl_mat *w, int r, int nr, const float *x, int ldx,
+                                    int nt, float *y, int ldy, const uint8_t *pf) {
+    if (wide && nt == 6) a512_tile(type, w, r, nr, x, ldx, 6, y, ldy, pf);
+    else if (wide && nt == 5) a512_tile(type, w, r, nr, x, ldx, 5, y, ldy, pf);
     else a512_tile_nt(type, w, r, nr, x, ldx, nt, y, ldy, pf);
 }
 
@@ -266,24 +267,14 @@ GL_A512_INLINE void a512_panels(int type, const gl_mat *w, int nr, const float *
  * prefill's products. */
 GL_A512_INLINE void a512_tokens_outer(int type, int wide, const gl_mat *w, const float *x, int n, int ldx,
                                       float *y, int ldy, int r0, int r1) {
-    const int r = r0 + (r1 - r0) / A512_NR * A512_NR;
+    const int r = r0 + (r1 - r0) / A512_NR * A512_NR, step = wide ? A512_NT_WIDE : A512_NT;
     const uint8_t *base = (const uint8_t *)w->data;
-    if (wide) {
-        for (int i = 0; i < n; i += A512_NT_WIDE) {
-            const int nt = n - i < A512_NT_WIDE ? n - i : A512_NT_WIDE;
-            const float *xi = x + (size_t)i * ldx;
-            float *yi = y + (size_t)i * ldy;
-            for (int rr = r0; rr < r; rr += A512_NR) a512_tile_nt_wide(type, w, rr, A512_NR, xi, ldx, nt, yi, ldy, base);
-            for (int rr = r; rr < r1; rr++) a512_tile_nt_wide(type, w, rr, 1, xi, ldx, nt, yi, ldy, base);
-        }
-        return;
-    }
-    for (int i = 0; i < n; i += A512_NT) {
-        const int nt = n - i < A512_NT ? n - i : A512_NT;
+    for (int i = 0; i < n; i += step) {
+        const int nt = n - i < step ? n - i : step;
         const float *xi = x + (size_t)i * ldx;
         float *yi = y + (size_t)i * ldy;
-        for (int rr = r0; rr < r; rr += A512_NR) a512_tile_nt(type, w, rr, A512_NR, xi, ldx, nt, yi, ldy, base);
-        for (int rr = r; rr < r1; rr++) a512_tile_nt(type, w, rr, 1, xi, ldx, nt, yi, ldy, base);
+        for (int rr = r0; rr < r; rr += A512_NR) a512_tile_nt_of(type, wide, w, rr, A512_NR, xi, ldx, nt, yi, ldy, base);
+        for (int rr = r; rr < r1; rr++) a512_tile_nt_of(type, wide, w, rr, 1, xi, ldx, nt, yi, ldy, base);
     }
 }
 
