@@ -27,8 +27,9 @@
  *
  * Loop structure: as the AVX2 set (tokens in L2-sized blocks, weight rows in
  * panels that stay in L1 while every token tile passes over them), with
- * 4-row x 4-token register tiles of 512-bit accumulators reduced together.
- * With n = 1 or 2 (decode, bound by memory bandwidth) rows of 1 KB or more
+ * 4-row x 4-token register tiles of 512-bit accumulators reduced together
+ * (bf16 prefill: 6 x 4 in row panels, 4 x 6 in slices that stay in L2; see
+ * A512_NR_WIDE).  With n = 1 or 2 (decode, bound by memory bandwidth) rows of 1 KB or more
  * go one at a time, so that the matrix streams in as one sequential run
  * (A512_ROWWISE_MAX_N); shorter rows stream 4 at a time, prefetching ahead. */
 
