@@ -556,6 +556,9 @@ GL_AVX2_INLINE void avx2_store16_rows_t(const __m256 acc[][2], int rows, float *
         for (int j = 0; j < rows; j++) y[(size_t)l * ldy + j] = t[j][l];
 }
 
+/* Row element (p + o bytes) broadcast into the row's two 8-lane sums. */
+#define AVX2_FMA2(s0, s1, p, o) do { const __m256 b_ = AVX2_BC(p, o); \
+        s0 = _mm256_fmadd_ps(q0, b_, s0); s1 = _mm256_fmadd_ps(q1, b_, s1); } while (0)
 /* 16 lanes (two vectors of qt) against 6 rows: each qt vector loaded
  * serves six rows and each broadcast two vectors -- 8 loads per 12 FMAs,
  * where 8 rows x one vector took 9 per 8 (load-bound: 72% of the FMA
@@ -569,18 +572,8 @@ GL_AVX2_INLINE void avx2_dot16x6_rows(const float *qt, size_t ldq, const float *
     const float *q = qt;
     for (int c = 0; c < n; c++, q += ldq, p0 += 4, p1 += 4) {
         const __m256 q0 = _mm256_loadu_ps(q), q1 = _mm256_loadu_ps(q + 8);
-        __m256 b = AVX2_BC(p0, 0);
-        a00 = _mm256_fmadd_ps(q0, b, a00); a01 = _mm256_fmadd_ps(q1, b, a01);
-        b = AVX2_BC(p0, L);
-        a10 = _mm256_fmadd_ps(q0, b, a10); a11 = _mm256_fmadd_ps(q1, b, a11);
-        b = AVX2_BC(p0, 2 * L);
-        a20 = _mm256_fmadd_ps(q0, b, a20); a21 = _mm256_fmadd_ps(q1, b, a21);
-        b = AVX2_BC(p1, 0);
-        a30 = _mm256_fmadd_ps(q0, b, a30); a31 = _mm256_fmadd_ps(q1, b, a31);
-        b = AVX2_BC(p1, L);
-        a40 = _mm256_fmadd_ps(q0, b, a40); a41 = _mm256_fmadd_ps(q1, b, a41);
-        b = AVX2_BC(p1, 2 * L);
-        a50 = _mm256_fmadd_ps(q0, b, a50); a51 = _mm256_fmadd_ps(q1, b, a51);
+        AVX2_FMA2(a00, a01, p0, 0); AVX2_FMA2(a10, a11, p0, L); AVX2_FMA2(a20, a21, p0, 2 * L);
+        AVX2_FMA2(a30, a31, p1, 0); AVX2_FMA2(a40, a41, p1, L); AVX2_FMA2(a50, a51, p1, 2 * L);
     }
     const __m256 acc[6][2] = {{a00, a01}, {a10, a11}, {a20, a21}, {a30, a31}, {a40, a41}, {a50, a51}};
     avx2_store16_rows_t(acc, 6, y, ldy);
@@ -594,18 +587,12 @@ GL_AVX2_INLINE void avx2_dot16x4_rows(const float *qt, size_t ldq, const float *
     const float *q = qt;
     for (int c = 0; c < n; c++, q += ldq, p += 4) {
         const __m256 q0 = _mm256_loadu_ps(q), q1 = _mm256_loadu_ps(q + 8);
-        __m256 b = AVX2_BC(p, 0);
-        a00 = _mm256_fmadd_ps(q0, b, a00); a01 = _mm256_fmadd_ps(q1, b, a01);
-        b = AVX2_BC(p, L);
-        a10 = _mm256_fmadd_ps(q0, b, a10); a11 = _mm256_fmadd_ps(q1, b, a11);
-        b = AVX2_BC(p, 2 * L);
-        a20 = _mm256_fmadd_ps(q0, b, a20); a21 = _mm256_fmadd_ps(q1, b, a21);
-        b = AVX2_BC(p, 3 * L);
-        a30 = _mm256_fmadd_ps(q0, b, a30); a31 = _mm256_fmadd_ps(q1, b, a31);
+        AVX2_FMA2(a00, a01, p, 0); AVX2_FMA2(a10, a11, p, L); AVX2_FMA2(a20, a21, p, 2 * L); AVX2_FMA2(a30, a31, p, 3 * L);
     }
     const __m256 acc[4][2] = {{a00, a01}, {a10, a11}, {a20, a21}, {a30, a31}};
     avx2_store16_rows_t(acc, 4, y, ldy);
 }
+#undef AVX2_FMA2
 #undef AVX2_BC
 
 GL_AVX2_INLINE void avx2_dot1_row(const float *qt, size_t ldq, __m256i mk, const float *x, int n, float *y, int ldy,
