@@ -8036,6 +8036,7 @@ static void t_quantize_weight(void *ctx, int task, int worker) {
  * of its bytes agree; otherwise it is remade. */
 
 #define Q8F_MAGIC "CM384Q8\1"
+#define Q8F_VERSION 2                 /* 2: GL_Q8's 16-row panels (1: row-major) */
 
 typedef struct q8f_header {
     char     magic[8];
@@ -8044,7 +8045,7 @@ typedef struct q8f_header {
 } q8f_header;                         /* then n_mats x {rows, cols}, then the matrices, each 64-aligned */
 
 static size_t q8f_mat_bytes(const gl_mat *w) {
-    size_t q = ((size_t)w->rows * w->cols + 63) & ~(size_t)63, sc = ((size_t)w->rows * sizeof(float) + 63) & ~(size_t)63;
+    size_t q = (gl_q8_bytes(w->rows, w->cols) + 63) & ~(size_t)63, sc = ((size_t)w->rows * sizeof(float) + 63) & ~(size_t)63;
     return q + sc;
 }
 
@@ -8064,7 +8065,8 @@ static int q8f_read(cm384_model *m, const char *path, q8_job *jobs, int n, uint6
     if (f.size < at || f.size != at + data) *why = "size differs from these weights'";
     else {
         memcpy(&h, f.data, sizeof h);
-        if (memcmp(h.magic, Q8F_MAGIC, 8) || h.version != 1) *why = "not a cm384 INT8 weight file";
+        if (memcmp(h.magic, Q8F_MAGIC, 8)) *why = "not a cm384 INT8 weight file";
+        else if (h.version != Q8F_VERSION) *why = "made by another version (weight layout)";
         else if (h.fingerprint != fp || h.n_mats != (uint32_t)n || h.data_bytes != data) *why = "made for another model";
         else {
             ok = 1;
@@ -8082,7 +8084,7 @@ static int q8f_read(cm384_model *m, const char *path, q8_job *jobs, int n, uint6
     for (int i = 0; i < n; i++) {
         gl_mat *w = jobs[i].dst;
         w->data = (void *)p;
-        w->scale = (float *)(p + (((size_t)w->rows * w->cols + 63) & ~(size_t)63));
+        w->scale = (float *)(p + ((gl_q8_bytes(w->rows, w->cols) + 63) & ~(size_t)63));
         p += q8f_mat_bytes(w);
     }
     m->q8_file = f;
@@ -8103,7 +8105,7 @@ static int q8f_save(const char *path, q8_job *jobs, int n, uint64_t fp) {
     uint64_t h = CSUM_START;
     for (int i = 0; ok && i < n; i++) {
         const gl_mat *w = jobs[i].dst;
-        size_t q = (size_t)w->rows * w->cols, sc = (size_t)w->rows * sizeof(float);
+        size_t q = gl_q8_bytes(w->rows, w->cols), sc = (size_t)w->rows * sizeof(float);
         size_t qp = ((q + 63) & ~(size_t)63) - q, scp = ((sc + 63) & ~(size_t)63) - sc;
         ok = fwrite(w->data, 1, q, f) == q && fwrite(zeros, 1, qp, f) == qp &&
              fwrite(w->scale, 1, sc, f) == sc && fwrite(zeros, 1, scp, f) == scp;
@@ -8125,7 +8127,7 @@ static int q8f_save(const char *path, q8_job *jobs, int n, uint64_t fp) {
     q8f_header hd;
     memset(&hd, 0, sizeof hd);
     memcpy(hd.magic, Q8F_MAGIC, 8);
-    hd.version = 1; hd.n_mats = (uint32_t)n; hd.fingerprint = fp; hd.data_bytes = data;
+    hd.version = Q8F_VERSION; hd.n_mats = (uint32_t)n; hd.fingerprint = fp; hd.data_bytes = data;
     hd.checksum = mix64(h ^ (uint64_t)data);
     if (ok) {
         memcpy(head, &hd, sizeof hd);
@@ -8159,7 +8161,7 @@ static uint64_t stored_bytes(const gl_mat *w) {
 static void q8_add(cm384_model *m, q8_plan *pl, const gl_mat *src, gl_mat *dst, int replaces) {
     (void)m;
     if (pl->status || !src->data) return;
-    pl->bytes += (uint64_t)src->rows * src->cols + (uint64_t)src->rows * sizeof(float);
+    pl->bytes += gl_q8_bytes(src->rows, src->cols) + (uint64_t)src->rows * sizeof(float);
     if (replaces) pl->replaced += stored_bytes(src);
     if (pl->jobs) {            /* the shape now; the bytes are made or mapped later */
         dst->type = GL_Q8; dst->rows = src->rows; dst->cols = src->cols;
@@ -8276,13 +8278,13 @@ static int model_make_q8(cm384_model *m, gl_pool *pool, cm384_progress_fn progre
 #if !CM384_ASAN
     size_t q8_total = 0;
     for (int i = 0; !pl.status && i < pl.n; i++)
-        q8_total += ((size_t)pl.jobs[i].dst->rows * pl.jobs[i].dst->cols + 63) & ~(size_t)63;
+        q8_total += (gl_q8_bytes(pl.jobs[i].dst->rows, pl.jobs[i].dst->cols) + 63) & ~(size_t)63;
     if (!pl.status && q8_total >= ((size_t)2 << 20) && !(q8_base = huge_alloc(q8_total, &m->q8_block)))
         pl.status = fail(CM384_E_NOMEM, "out of memory for INT8 weights");
 #endif
     for (int i = 0; !pl.status && i < pl.n; i++) {
         gl_mat *dst = pl.jobs[i].dst;
-        size_t bytes = (size_t)dst->rows * dst->cols;
+        size_t bytes = gl_q8_bytes(dst->rows, dst->cols);
         if (q8_base) {
             dst->data = q8_base + q8_off;
             q8_off += (bytes + 63) & ~(size_t)63;
@@ -8292,7 +8294,7 @@ static int model_make_q8(cm384_model *m, gl_pool *pool, cm384_progress_fn progre
     }
     /* a row widened to fp32 per worker (the kernel's scratch) */
     size_t row_cap = 0;
-    for (int i = 0; i < pl.n; i++) if ((size_t)pl.jobs[i].src->cols > row_cap) row_cap = (size_t)pl.jobs[i].src->cols;
+    for (int i = 0; i < pl.n; i++) if (GL_Q8_SCRATCH(pl.jobs[i].src->cols) > row_cap) row_cap = GL_Q8_SCRATCH(pl.jobs[i].src->cols);
     float *rows = NULL;
     if (!pl.status && !(rows = CM384_MALLOC((size_t)gl_pool_size(pool) * row_cap * sizeof(float) + 1)))
         pl.status = fail(CM384_E_NOMEM, "out of memory for INT8 weights");
@@ -8313,7 +8315,7 @@ static int model_make_q8(cm384_model *m, gl_pool *pool, cm384_progress_fn progre
                     const gl_mat *src = pl.jobs[j].src;
                     int rows = (t1 - pl.jobs[j].first) * Q8_ROWS;
                     if (rows > src->rows) rows = src->rows;
-                    done += (uint64_t)rows * src->cols + (uint64_t)rows * sizeof(float);
+                    done += (rows == src->rows ? gl_q8_bytes(rows, src->cols) : (uint64_t)rows * src->cols) + (uint64_t)rows * sizeof(float);
                 }
                 if (progress(user, "quantize", done, pl.bytes))
                     r = fail(CM384_E_CANCELLED, "%s: loading cancelled by the progress callback", m->path);

@@ -90,9 +90,9 @@ void gl_row_range_to_f32(const gl_mat *w, int r, int c0, int n, float *out) {
         break;
     }
     case GL_Q8: {
-        const int8_t *p = (const int8_t *)w->data + off;
+        const int8_t *p = (const int8_t *)w->data;
         float s = w->scale[r];
-        for (int c = 0; c < n; c++) out[c] = (float)p[c] * s;
+        for (int c = 0; c < n; c++) out[c] = (float)p[gl_q8_at(w->cols, r, c0 + c)] * s;
         break;
     }
     default: gl_qrow_range_to_f32(w, r, c0, n, out); break;   /* GGUF block formats (quants.c) */
@@ -231,14 +231,23 @@ static void scalar_matmul_q8(const gl_mat *w, const int8_t *xq, const float *xsc
                              float *y, int ldy, int r0, int r1) {
     const int8_t *wq = (const int8_t *)w->data;
     for (int r = r0; r < r1; r++) {
-        const int8_t *wr = wq + (size_t)r * w->cols;
+        const int8_t *panel = wq + gl_q8_at(w->cols, r, 0);    /* row r's first 4 bytes; then every 64 */
         for (int i = 0; i < n; i++) {
             const int8_t *xr = xq + (size_t)i * ldx;
             int32_t acc = 0;
-            for (int c = 0; c < w->cols; c++) acc += (int32_t)wr[c] * (int32_t)xr[c];
+            for (int c = 0; c < w->cols; c++) acc += (int32_t)panel[(size_t)(c >> 2) * 64 + (c & 3)] * (int32_t)xr[c];
             y[(size_t)i * ldy + r] = (float)acc * w->scale[r] * xscale[i];
         }
     }
+}
+
+void gl_q8_pack_rows(const int8_t *src, int ld, int rows, int cols, int r0, int r1, int8_t *q) {
+    const int c4 = gl_q8_cols4(cols);
+    for (int r = r0; r < r1; r++)
+        for (int c = 0; c < c4; c++) q[gl_q8_at(cols, r, c)] = c < cols ? src[(size_t)(r - r0) * ld + c] : 0;
+    if (r1 == rows)
+        for (int r = rows; r % GL_Q8_PANEL; r++)
+            for (int c = 0; c < c4; c++) q[gl_q8_at(cols, r, c)] = 0;
 }
 
 static void scalar_quantize_q8(const float *x, int n, int cols, int ldx, int8_t *q, int ldq, float *scale) {
@@ -389,9 +398,11 @@ const gl_kernels *gl_kernels_by_name(const char *name) {
 void gl_quantize_weight_q8(const gl_mat *w, int8_t *q, float *scale, int r0, int r1, float *row) {
     /* every kernel set quantizes bit-identically, so take the fastest */
     const gl_kernels *k = gl_kernels_get();
+    int8_t *rq = (int8_t *)(row + w->cols);      /* the row in int8, then into its panel */
     for (int r = r0; r < r1; r++) {
         gl_row_to_f32(w, r, row);
-        k->quantize_q8(row, 1, w->cols, w->cols, q + (size_t)r * w->cols, w->cols, &scale[r]);
+        k->quantize_q8(row, 1, w->cols, w->cols, rq, w->cols, &scale[r]);
+        gl_q8_pack_rows(rq, w->cols, w->rows, w->cols, r, r + 1, q);
     }
 }
 

@@ -28,7 +28,8 @@ enum gl_type {
     GL_F16     = 1,
     GL_BF16    = 2,
     GL_F8_E4M3 = 3,   /* with fp32 scales per 128x128 block (DeepSeek-V3's weight_scale_inv) */
-    GL_Q8      = 4,   /* symmetric int8, one fp32 scale per row (cm384's W8A8 weights)        */
+    GL_Q8      = 4,   /* symmetric int8, one fp32 scale per row (cm384's W8A8 weights),
+                         stored in 16-row panels (gl_q8_at below)                          */
     GL_TYPE_COUNT
 };
 
@@ -53,10 +54,36 @@ enum gl_block_type {
 typedef struct gl_mat {
     int         type;        /* enum gl_type                                     */
     int         rows, cols;
-    const void *data;        /* rows * cols elements, row-major, packed          */
+    const void *data;        /* rows * cols elements, row-major, packed (Q8:
+                                16-row panels, gl_q8_at)                         */
     const float *scale;      /* F8: [ceil(rows/128)][ceil(cols/128)] block scales;
                                 Q8: [rows] per-row scales; else NULL              */
 } gl_mat;
+
+/* GL_Q8's layout.  Rows come in panels of 16 (the last padded with zero
+ * rows), columns in groups of 4 (the last padded with zeros); a panel is its
+ * groups in column order, 64 bytes each, and lane l (bytes 4l..4l+3) of
+ * group g holds row 16p+l's columns 4g..4g+3.  So one 64-byte vector times
+ * a token's 4 bytes broadcast gives 16 rows' partial sums in their own
+ * lanes (VNNI's vpdpbusd, NEON's sdot): the products need no horizontal
+ * sums and no packing at run time, and 256- and 128-bit sets read the same
+ * vector as 2 or 4 pieces of 8 or 4 rows.  The values are the int8 weights
+ * themselves; only their order differs from row-major. */
+#define GL_Q8_PANEL 16
+static inline int gl_q8_cols4(int cols) { return (cols + 3) & ~3; }
+static inline size_t gl_q8_panel_bytes(int cols) { return (size_t)GL_Q8_PANEL * (size_t)gl_q8_cols4(cols); }
+static inline size_t gl_q8_bytes(int rows, int cols) {
+    return (size_t)((rows + GL_Q8_PANEL - 1) / GL_Q8_PANEL) * gl_q8_panel_bytes(cols);
+}
+/* Byte offset of w[r][c]. */
+static inline size_t gl_q8_at(int cols, int r, int c) {
+    return (size_t)(r / GL_Q8_PANEL) * gl_q8_panel_bytes(cols) + (size_t)(c >> 2) * 64 + (size_t)(r % GL_Q8_PANEL) * 4 + (size_t)(c & 3);
+}
+/* Row-major int8 rows [r0, r1) of a rows x cols matrix (src holds row r0,
+ * then the others at stride ld) into q's layout.
+ * Writes those rows' padding columns, and with r1 == rows the padding rows
+ * of the last panel, so a matrix packed by panel-aligned pieces is whole. */
+void gl_q8_pack_rows(const int8_t *src, int ld, int rows, int cols, int r0, int r1, int8_t *q);
 
 /* Element size in bytes of a stored type. */
 static inline size_t gl_type_size(int type) {
@@ -170,9 +197,11 @@ int gl_kernels_all(const gl_kernels **out, int cap);
  * bf16, by AVX512_BF16's vdpbf16ps). */
 const gl_kernels *gl_kernels_by_name(const char *name);
 
-/* Quantize a weight matrix to GL_Q8: q gets rows*cols int8, scale gets rows
- * floats.  Rows [r0, r1) only, so it can be parallelized; row is the
- * caller's scratch of w->cols floats. */
+/* Quantize a weight matrix to GL_Q8: q gets gl_q8_bytes(rows, cols), scale
+ * gets rows floats.  Rows [r0, r1) only (r0 a multiple of GL_Q8_PANEL, so
+ * pieces can run in parallel); row is the caller's scratch of
+ * GL_Q8_SCRATCH(w->cols) floats. */
+#define GL_Q8_SCRATCH(cols) ((size_t)(cols) + (size_t)(cols) / 4 + 1)
 void gl_quantize_weight_q8(const gl_mat *w, int8_t *q, float *scale, int r0, int r1, float *row);
 
 /* ---------------------------------------------------------------------- */

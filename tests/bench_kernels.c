@@ -428,6 +428,12 @@ static gl_mat *make_mats(int type, int rows, int cols, int n_mats) {
             scale = xmalloc((size_t)rows * sizeof(float));
             for (int r = 0; r < rows; r++) scale[r] = 1.0f / 127;
         }
+        if (type == GL_Q8) {          /* the same values in the kernels' panels */
+            uint8_t *q = xmalloc(gl_q8_bytes(rows, cols));
+            gl_q8_pack_rows((const int8_t *)d, cols, rows, cols, 0, rows, (int8_t *)q);
+            free(d);
+            d = q;
+        }
         w[m] = (gl_mat){type, rows, cols, d, scale};
     }
     return w;

@@ -56,7 +56,14 @@ static const char *type_name(int t) {
 }
 
 /* A random weight matrix of a stored type, owning its buffers. */
-typedef struct { gl_mat m; void *data; float *scale; } test_mat;
+typedef struct { gl_mat m; void *data; float *scale; int8_t *q8rows; } test_mat;   /* q8rows: Q8's values row-major */
+
+/* A Q8 matrix's values, row-major, into the panels the kernels read. */
+static void *q8_packed(const int8_t *rows_data, int rows, int cols) {
+    int8_t *q = xmalloc(gl_q8_bytes(rows, cols));
+    gl_q8_pack_rows(rows_data, cols, rows, cols, 0, rows, q);
+    return q;
+}
 
 static test_mat make_mat(int type, int rows, int cols) {
     test_mat t;
@@ -86,10 +93,12 @@ static test_mat make_mat(int type, int rows, int cols) {
         t.scale = xmalloc((size_t)rows * sizeof(float));
         for (int i = 0; i < rows; i++) t.scale[i] = (1.0f + 0.5f * rng_unif()) / 127.0f;
     }
+    t.q8rows = NULL;
+    if (type == GL_Q8) { t.q8rows = t.data; t.data = q8_packed(t.q8rows, rows, cols); }
     t.m.type = type; t.m.rows = rows; t.m.cols = cols; t.m.data = t.data; t.m.scale = t.scale;
     return t;
 }
-static void free_mat(test_mat *t) { free(t->data); free(t->scale); }
+static void free_mat(test_mat *t) { free(t->data); free(t->scale); free(t->q8rows); }
 
 /* Activations: n rows of cols floats at stride ldx, plus their int8 form. */
 typedef struct { float *x; int8_t *xq; float *xs; int n, cols, ldx; } test_act;
@@ -539,6 +548,14 @@ static void test_matmul_vs_scalar(const gl_kernels *k) {
                         float v = y[(size_t)i * ldy + r], vs = ys[(size_t)i * ldy + r];
                         if (type == GL_Q8) {      /* int32 sums: exact */
                             if (f2u(v) != f2u(vs)) bad++;
+                            if (k == s) {         /* the scalar set against the row-major values */
+                                int32_t acc = 0;
+                                for (int c = 0; c < cols; c++)
+                                    acc += (int32_t)t.q8rows[(size_t)r * cols + c] * a.xq[(size_t)i * ldx + c];
+                                ref_bad += f2u(vs) != f2u((float)acc * t.scale[r] * a.xs[i]);
+                                for (int c = 0; c < cols; c++)
+                                    ref_bad += f2u(wrow[c]) != f2u((float)t.q8rows[(size_t)r * cols + c] * t.scale[r]);
+                            }
                             continue;
                         }
                         double sum = 0, sum_abs = 0;
@@ -606,13 +623,14 @@ static void test_q8_extremes(const gl_kernels *k) {
         xscale[i] = 1.0f / 127;
         for (int c = 0; c < COLS; c++) x[(size_t)i * COLS + c] = i == 2 && c % 3 ? 127 : xv[i];
     }
-    gl_mat m = {GL_Q8, ROWS, COLS, w, wscale};
+    void *wp = q8_packed(w, ROWS, COLS);
+    gl_mat m = {GL_Q8, ROWS, COLS, wp, wscale};
     k->matmul_q8(&m, x, xscale, N, COLS, y, ROWS, 0, ROWS);
     s->matmul_q8(&m, x, xscale, N, COLS, ys, ROWS, 0, ROWS);
     int bad = 0;
     for (int j = 0; j < N * ROWS; j++) bad += f2u(y[j]) != f2u(ys[j]);
     check(!bad, "%s: matmul_q8 with extreme values: %d of %d differ from scalar", k->name, bad, N * ROWS);
-    free(w); free(x);
+    free(w); free(x); free(wp);
 }
 
 /* The opt-in native-BF16 set: bf16 weights times activations rounded to
@@ -683,7 +701,8 @@ static void test_q8_panels(const gl_kernels *k, const char *what, const int cols
             test_mat t = make_mat(GL_Q8, rows, cols);
             test_act a = make_act(s, n, cols, ldx);
             if (ri == 2) {   /* extremes */
-                for (int c = 0; c < cols; c++) ((int8_t *)t.data)[c] = -128;
+                for (int c = 0; c < cols; c++) t.q8rows[c] = -128;
+                gl_q8_pack_rows(t.q8rows, cols, rows, cols, 0, 1, t.data);
                 for (int c = 0; c < cols; c++) a.xq[c] = 127, a.xq[ldx + c] = -127;
             }
             float *y = xmalloc((size_t)n * ldy * sizeof(float)), *ys = xmalloc((size_t)n * ldy * sizeof(float));
@@ -980,7 +999,7 @@ static void test_qmatmul(const gl_kernels *k) {
             int cols = bs * (shape == 0 ? 1 : shape == 1 ? 5 : shape == 2 ? 9 : 1 + rng_int(bs == 32 ? 80 : 10));
             int rows = 1 + rng_int(8), n = shape == 3 ? 33 + rng_int(8) : 1 + rng_int(6), ldx = cols + 3, ldy = rows + 1;
             test_mat t = make_qmat(type, rows, cols);
-            test_mat f = {{GL_F32, rows, cols, NULL, NULL}, xmalloc((size_t)rows * cols * 4), NULL};
+            test_mat f = {{GL_F32, rows, cols, NULL, NULL}, xmalloc((size_t)rows * cols * 4), NULL, NULL};
             for (int r = 0; r < rows; r++) gl_row_to_f32(&t.m, r, (float *)f.data + (size_t)r * cols);
             f.m.data = f.data;
             test_act a = make_act(s, n, cols, ldx);
