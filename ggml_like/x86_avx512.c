@@ -22,16 +22,19 @@
  * token's sum of activations (computed once per call and token) times 128
  * is subtracted.  Every step is exact in int32 (the offset sum is exact
  * modulo 2^32 and the true sum fits), so every tile shape gives the scalar
- * set's bits.  Unlike the 256-bit sets no per-(row, token) sign fix-up is
- * needed: one vpdpbusd per 64 products.
+ * set's bits.  The weights are in GL_Q8's 16-row panels, one row a lane
+ * (a512_q8_dot): no horizontal sums and no per-(row, token) sign fix-up,
+ * one vpdpbusd per 64 products.
  *
- * Loop structure: as the AVX2 set (tokens in L2-sized blocks, weight rows in
- * panels that stay in L1 while every token tile passes over them), with
- * 4-row x 4-token register tiles of 512-bit accumulators reduced together
- * (bf16 prefill: 6 x 4 in row panels, 4 x 6 in slices that stay in L2; see
- * A512_NR_WIDE).  With n = 1 or 2 (decode, bound by memory bandwidth) rows of 1 KB or more
- * go one at a time, so that the matrix streams in as one sequential run
- * (A512_ROWWISE_MAX_N); shorter rows stream 4 at a time, prefetching ahead. */
+ * Loop structure of the fp products: as the AVX2 set (tokens in L2-sized
+ * blocks, weight rows in panels that stay in L1 while every token tile
+ * passes over them), with 4-row x 4-token register tiles of 512-bit
+ * accumulators reduced together (bf16 prefill: 6 x 4 in row panels, 4 x 6
+ * in slices that stay in L2; see A512_NR_WIDE).  With n = 1 or 2 (decode,
+ * bound by memory bandwidth) rows of 1 KB or more go one at a time, so that
+ * the matrix streams in as one sequential run (A512_ROWWISE_MAX_N); shorter
+ * rows stream 4 at a time, prefetching ahead.  The W8A8 loops are described
+ * above a512_q8_dot. */
 
 #define GL_A512_TARGET "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"
 #define GL_A512 __attribute__((target(GL_A512_TARGET)))
@@ -94,37 +97,6 @@ GL_A512_INLINE __m512 a512_reduce16(const __m512 *a) {
         u[i] = _mm512_add_ps(_mm512_unpacklo_ps(t[2 * i], t[2 * i + 1]), _mm512_unpackhi_ps(t[2 * i], t[2 * i + 1]));
     return _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(u[0]), _mm512_castps_pd(u[1]))),
                          _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(u[0]), _mm512_castps_pd(u[1]))));
-}
-
-/* a512_reduce16's integer twin, of a[4k+t] = acc[k][t] read in place: an
- * array the accumulators are copied into keeps gcc from holding them in
- * registers through the tile's loop (it spilled them there). */
-#define A512_ACC(i) acc[(i) / 4][(i) % 4]
-GL_A512_INLINE __m512i a512_reduce16_i32_kt(__m512i acc[A512_NR][A512_NT]) {
-    __m512i s0 = _mm512_add_epi32(_mm512_shuffle_i32x4(A512_ACC(0), A512_ACC(1), 0x44), _mm512_shuffle_i32x4(A512_ACC(0), A512_ACC(1), 0xee));
-    __m512i s1 = _mm512_add_epi32(_mm512_shuffle_i32x4(A512_ACC(2), A512_ACC(3), 0x44), _mm512_shuffle_i32x4(A512_ACC(2), A512_ACC(3), 0xee));
-    __m512i s2 = _mm512_add_epi32(_mm512_shuffle_i32x4(A512_ACC(4), A512_ACC(5), 0x44), _mm512_shuffle_i32x4(A512_ACC(4), A512_ACC(5), 0xee));
-    __m512i s3 = _mm512_add_epi32(_mm512_shuffle_i32x4(A512_ACC(6), A512_ACC(7), 0x44), _mm512_shuffle_i32x4(A512_ACC(6), A512_ACC(7), 0xee));
-    __m512i s4 = _mm512_add_epi32(_mm512_shuffle_i32x4(A512_ACC(8), A512_ACC(9), 0x44), _mm512_shuffle_i32x4(A512_ACC(8), A512_ACC(9), 0xee));
-    __m512i s5 = _mm512_add_epi32(_mm512_shuffle_i32x4(A512_ACC(10), A512_ACC(11), 0x44), _mm512_shuffle_i32x4(A512_ACC(10), A512_ACC(11), 0xee));
-    __m512i s6 = _mm512_add_epi32(_mm512_shuffle_i32x4(A512_ACC(12), A512_ACC(13), 0x44), _mm512_shuffle_i32x4(A512_ACC(12), A512_ACC(13), 0xee));
-    __m512i s7 = _mm512_add_epi32(_mm512_shuffle_i32x4(A512_ACC(14), A512_ACC(15), 0x44), _mm512_shuffle_i32x4(A512_ACC(14), A512_ACC(15), 0xee));
-    __m512i t0 = _mm512_add_epi32(_mm512_shuffle_i32x4(s0, s1, 0x88), _mm512_shuffle_i32x4(s0, s1, 0xdd));
-    __m512i t1 = _mm512_add_epi32(_mm512_shuffle_i32x4(s2, s3, 0x88), _mm512_shuffle_i32x4(s2, s3, 0xdd));
-    __m512i t2 = _mm512_add_epi32(_mm512_shuffle_i32x4(s4, s5, 0x88), _mm512_shuffle_i32x4(s4, s5, 0xdd));
-    __m512i t3 = _mm512_add_epi32(_mm512_shuffle_i32x4(s6, s7, 0x88), _mm512_shuffle_i32x4(s6, s7, 0xdd));
-    __m512i u0 = _mm512_add_epi32(_mm512_unpacklo_epi32(t0, t1), _mm512_unpackhi_epi32(t0, t1));
-    __m512i u1 = _mm512_add_epi32(_mm512_unpacklo_epi32(t2, t3), _mm512_unpackhi_epi32(t2, t3));
-    return _mm512_add_epi32(_mm512_unpacklo_epi64(u0, u1), _mm512_unpackhi_epi64(u0, u1));
-}
-#undef A512_ACC
-
-/* Lane quarters t < nt of v to y[t*ldy + r .. r+3]. */
-GL_A512_INLINE void a512_store4xn(__m512 v, float *y, int ldy, int r, int nt) {
-    _mm_storeu_ps(y + r, _mm512_extractf32x4_ps(v, 0));
-    if (nt > 1) _mm_storeu_ps(y + (size_t)ldy + r, _mm512_extractf32x4_ps(v, 1));
-    if (nt > 2) _mm_storeu_ps(y + 2 * (size_t)ldy + r, _mm512_extractf32x4_ps(v, 2));
-    if (nt > 3) _mm_storeu_ps(y + 3 * (size_t)ldy + r, _mm512_extractf32x4_ps(v, 3));
 }
 
 /* Lane quarter t of v to y[t*ldy + r .. r+3]. */
@@ -350,182 +322,60 @@ GL_A512_INLINE void a512_dpbusd(__m512i *acc, __m512i w, __m512i x) {
 #endif
 }
 
-/* y[t*ldy + r+k] = (sum_c w[r+k][c]*x[t][c]) * wscale[r+k] * xscale[t]:
- * acc gets (w+128)*x by vpdpbusd (w ^ 0x80 is w + 128 as an unsigned
- * byte; zero-padded columns add (0+128)*0), then 128*xsum[t] comes off. */
-GL_A512_INLINE void a512_tile_q8(const gl_mat *w, int r, int nr, const int8_t *xq, const float *xs, const int32_t *xsum,
-                                 int ldx, int nt, float *y, int ldy, const int8_t *pf) {
-    const int cols = w->cols, full = cols & ~63;
+/* The weights come in GL_Q8's 16-row panels (ggml_like.h): a panel's
+ * 64-byte group g holds its 16 rows' columns 4g..4g+3, one row a lane, so a
+ * vpdpbusd of the group (+128) with a token's 4 bytes broadcast adds four
+ * products to each of the 16 rows' sums, which stay in their lanes: no
+ * horizontal sums, each result vector is 16 consecutive rows, and the
+ * layout was made at load, so nothing is packed here.
+ *
+ * A tile is 4 panels (64 rows) x up to 6 tokens: each group's four weight
+ * vectors feed 24 vpdpbusd.  Up to A512_Q8_NT tokens a tile runs the whole
+ * row; more tokens take the columns a slice of A512_Q8_KC at a time (the 4
+ * panels' slice, 32 KB, stays in L1 while every 6 tokens of a block pass
+ * over it) and keep the block's sums on the stack between slices.  One or
+ * two tokens (decode) go a panel at a time: a panel is one sequential run of
+ * bytes, which the prefetchers stream faster than four side by side. */
+#define A512_Q8_NT 6       /* tokens per tile                        */
+#define A512_Q8_KC 512     /* columns per slice, many tokens         */
+#define A512_Q8_KNT 96     /* tokens whose sums wait on the stack    */
+#define A512_Q8_PF 4096    /* prefetch distance streaming from DRAM, bytes */
+
+static inline int32_t a512_load_i32(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return v; }
+
+/* Rows [16P, 16P+16) clipped to [r0, r1): the lanes a panel stores. */
+GL_A512_INLINE __mmask16 a512_rows_mask(int P, int r0, int r1) {
+    int lo = r0 - 16 * P, hi = r1 - 16 * P;
+    if (lo < 0) lo = 0;
+    if (hi > 16) hi = 16;
+    return hi <= lo ? 0 : (__mmask16)(a512_mask16(hi) & ~a512_mask16(lo));
+}
+
+/* y[t][16P + l] = (sum[l] - 128 xsum[t]) * wscale * xscale[t] on the lanes of m. */
+GL_A512_INLINE void a512_q8_store(__m512i sum, int32_t xsum, float xs, const float *wscale, __mmask16 m, float *y) {
+    const __m512 ws = _mm512_maskz_loadu_ps(m, wscale);
+    __m512i s = _mm512_sub_epi32(sum, _mm512_set1_epi32((int32_t)((uint32_t)xsum << 7)));
+    _mm512_mask_storeu_ps(y, m, _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(s), ws), _mm512_set1_ps(xs)));
+}
+
+/* acc[p][t] += panel p's groups [0, G) . token t's bytes: the panels start
+ * at wp[p], token t's 4-byte groups at xq + t*ldx.  pf (if not 0): each
+ * line read prefetches the one pf bytes on -- weights come from DRAM, and a
+ * burst of loads would otherwise wait on its latency (prefetches never
+ * fault, so pf may point past the matrix). */
+GL_A512_INLINE void a512_q8_dot(const int8_t *const wp[4], int G, const int8_t *xq, int ldx, int nt,
+                                __m512i acc[4][A512_Q8_NT], ptrdiff_t pf) {
     const __m512i flip = _mm512_set1_epi8((char)0x80);
-    /* one moving pointer each for the rows and the tokens, at strides:
-       gcc kept an array of row pointers on the stack and reloaded it */
-    const int8_t *wp = (const int8_t *)w->data + (size_t)r * (size_t)cols, *xp = xq, *pp = pf;
-    const size_t ws = (size_t)cols, xsd = (size_t)ldx;
-    __m512i acc[A512_NR][A512_NT], wv[A512_NR];
-#pragma GCC unroll 4
-    for (int k = 0; k < nr; k++)
-#pragma GCC unroll 4
-        for (int t = 0; t < A512_NT; t++) acc[k][t] = _mm512_setzero_si512();   /* t >= nt: 0 for the reduction */
-    for (int c = 0; c < full; c += 64, wp += 64, xp += 64, pp += 64 * nr) {
-        _mm_prefetch((const char *)pp, _MM_HINT_NTA);
-        if (nr > 1) _mm_prefetch((const char *)pp + 64, _MM_HINT_NTA);
-        if (nr > 2) { _mm_prefetch((const char *)pp + 128, _MM_HINT_NTA); _mm_prefetch((const char *)pp + 192, _MM_HINT_NTA); }
-#pragma GCC unroll 4
-        for (int k = 0; k < nr; k++) wv[k] = _mm512_xor_si512(_mm512_loadu_si512(wp + k * ws), flip);
-#pragma GCC unroll 4
-        for (int t = 0; t < nt; t++) {
-            const __m512i xv = _mm512_loadu_si512(xp + t * xsd);
-#pragma GCC unroll 4
-            for (int k = 0; k < nr; k++) a512_dpbusd(&acc[k][t], wv[k], xv);
-        }
-    }
-    if (full < cols) {
-        const __mmask64 m = a512_mask64(cols - full);
-#pragma GCC unroll 4
-        for (int k = 0; k < nr; k++) wv[k] = _mm512_xor_si512(_mm512_maskz_loadu_epi8(m, wp + k * ws), flip);
-#pragma GCC unroll 4
-        for (int t = 0; t < nt; t++) {
-            const __m512i xv = _mm512_maskz_loadu_epi8(m, xp + t * xsd);
-#pragma GCC unroll 4
-            for (int k = 0; k < nr; k++) a512_dpbusd(&acc[k][t], wv[k], xv);
-        }
-    }
-    if (nr == 4 && nt > 1) {
-        /* the exact sums, then (float)sum * wscale * xscale, up to four tokens
-           of four rows at once (missing tokens' sums are 0 and not stored) */
-        const __mmask8 tm = (__mmask8)((1u << nt) - 1u);
-        __m512i sum = a512_reduce16_i32_kt(acc);
-        __m512i corr = _mm512_slli_epi32(_mm512_permutexvar_epi32(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
-                                                                  _mm512_castsi128_si512(_mm_maskz_loadu_epi32(tm, xsum))), 7);
-        __m512 ws = _mm512_broadcast_f32x4(_mm_loadu_ps(w->scale + r));
-        __m512 xsv = _mm512_permutexvar_ps(_mm512_setr_epi32(0, 0, 0, 0, 1, 1, 1, 1, 2, 2, 2, 2, 3, 3, 3, 3),
-                                           _mm512_castps128_ps512(_mm_maskz_loadu_ps(tm, xs)));
-        __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(_mm512_sub_epi32(sum, corr)), ws), xsv);
-        a512_store4xn(v, y, ldy, r, nt);
-        return;
-    }
-#pragma GCC unroll 4
-    for (int t = 0; t < nt; t++)
-#pragma GCC unroll 4
-        for (int k = 0; k < nr; k++) {
-            int32_t s = (int32_t)((uint32_t)_mm512_reduce_add_epi32(acc[k][t]) - ((uint32_t)xsum[t] << 7));
-            y[(size_t)t * ldy + r + k] = (float)s * w->scale[r + k] * xs[t];
-        }
-}
-
-GL_A512_INLINE void a512_tile_q8_nt(const gl_mat *w, int r, int nr, const int8_t *xq, const float *xs, const int32_t *xsum,
-                                    int ldx, int nt, float *y, int ldy, const int8_t *pf) {
-    switch (nt) {
-    case 4: a512_tile_q8(w, r, nr, xq, xs, xsum, ldx, 4, y, ldy, pf); break;
-    case 3: a512_tile_q8(w, r, nr, xq, xs, xsum, ldx, 3, y, ldy, pf); break;
-    case 2: a512_tile_q8(w, r, nr, xq, xs, xsum, ldx, 2, y, ldy, pf); break;
-    case 1: a512_tile_q8(w, r, nr, xq, xs, xsum, ldx, 1, y, ldy, pf); break;
-    }
-}
-
-GL_A512_INLINE void a512_panels_q8(const gl_mat *w, int nr, const int8_t *xq, const float *xs, const int32_t *xsum,
-                                   int n, int ldx, float *y, int ldy, int r, int r1) {
-    const size_t row_bytes = (size_t)w->cols;
-    for (; r + nr <= r1; r += nr) {
-        const int8_t *panel = (const int8_t *)w->data + (size_t)r * row_bytes;
-        const int8_t *pf = r + (GL_PF_PANELS + 1) * nr <= r1 ? panel + GL_PF_PANELS * (size_t)nr * row_bytes : panel;
-        for (int i = 0; i < n; i += A512_NT, pf = panel) {
-            int nt = n - i < A512_NT ? n - i : A512_NT;
-            a512_tile_q8_nt(w, r, nr, xq + (size_t)i * ldx, xs + i, xsum + i, ldx, nt, y + (size_t)i * ldy, ldy, pf);
-        }
-    }
-}
-
-/* ---- short rows: packed panels, no horizontal sums ----
- * For the attention's per-head absorbed products (W_uk^T: 128 columns per
- * row, W_uv: 512) the tiles above spend about as much on reducing their
- * 16-lane accumulators as on the products.  Packed four columns at a time
- * -- lane l of panel vector g holds w[r+l][4g..4g+3] + 128 -- one vpdpbusd
- * with the token's 4 bytes broadcast adds four products to each of 16 rows'
- * sums, which stay in their lanes: no reduction, and each result vector is
- * 16 consecutive rows.  64 rows at a time are packed on the stack (cols <=
- * 512: 32 KB, by a transpose in registers) and every token passes over
- * them.  The sums are the same exact int32 values, so the bits are the
- * scalar set's. */
-#define A512_PK_ROWS 64
-#define A512_PK_COLS 512
-#define A512_PK_NT 6
-/* Fewer tokens than this go to the tiles: the packing (16 loads and 64
- * shuffles per 16 rows x 64 columns) must pay for itself.  Measured on Zen 5
- * (one thread, weights streaming from DRAM as in a model, tiles against
- * panels alternating, since the tiles keep their accumulators in registers):
- * rows of 128 columns gain from 16-24 tokens, of 256 from 32, of 512 from
- * 48 (at 32: tiles 518-570 GOP/s, panels 395-400), longer rows from 32
- * (1024x2048: even there, panels 490 against 460 at 48). */
-#ifndef A512_PK_MIN
-#define A512_PK_MIN(cols) ((cols) <= 128 ? 16 : (cols) <= 256 || (cols) > 512 ? 32 : 48)
-#endif
-
-/* r[0..15] (16 rows of 16 dwords) becomes its transpose: afterwards r[c]
- * lane l holds what row l had in dword c.  Two rounds of unpacks transpose
- * the 4x4 dword blocks inside each 128-bit lane, two of 128-bit shuffles
- * the 4x4 grid of those blocks: 64 shuffles for 16 vectors. */
-GL_A512_INLINE void a512_transpose16_epi32(__m512i r[16]) {
-    __m512i a[16], b[16];
-    for (int i = 0; i < 16; i += 2) {
-        a[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]);
-        a[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
-    }
-    for (int j = 0; j < 16; j += 4) {            /* b[j+m] lane k: dword 4k+m of rows j..j+3 */
-        b[j] = _mm512_unpacklo_epi64(a[j], a[j + 2]);
-        b[j + 1] = _mm512_unpackhi_epi64(a[j], a[j + 2]);
-        b[j + 2] = _mm512_unpacklo_epi64(a[j + 1], a[j + 3]);
-        b[j + 3] = _mm512_unpackhi_epi64(a[j + 1], a[j + 3]);
-    }
-    for (int m = 0; m < 4; m++) {                /* lane k of b[4j+m] goes to lane j of r[4k+m] */
-        const __m512i c0 = _mm512_shuffle_i32x4(b[m], b[4 + m], 0x44), c1 = _mm512_shuffle_i32x4(b[m], b[4 + m], 0xee);
-        const __m512i c2 = _mm512_shuffle_i32x4(b[8 + m], b[12 + m], 0x44), c3 = _mm512_shuffle_i32x4(b[8 + m], b[12 + m], 0xee);
-        r[m] = _mm512_shuffle_i32x4(c0, c2, 0x88);
-        r[4 + m] = _mm512_shuffle_i32x4(c0, c2, 0xdd);
-        r[8 + m] = _mm512_shuffle_i32x4(c1, c3, 0x88);
-        r[12 + m] = _mm512_shuffle_i32x4(c1, c3, 0xdd);
-    }
-}
-
-/* rows [r, r+nr) (nr <= 64; missing rows are w = 0) of columns [c0, c0+kc)
- * (kc <= 512, a multiple of 4) into pk[p*G + g]: 16 rows x 64 columns are
- * loaded as they lie and transposed in registers (a gather per vector cost
- * about as much as the products of 16 tokens).  Each line loaded prefetches
- * the one pf bytes on (what the next call packs): weights come from DRAM,
- * and 16 rows' lines loaded in a burst would otherwise wait on its latency. */
-GL_A512_INLINE void a512_pack64_at(const gl_mat *w, int r, int nr, int c0, int kc, ptrdiff_t pf, __m512i *pk) {
-    const int cols = w->cols, G = kc / 4;
-    const __m512i flip = _mm512_set1_epi8((char)0x80);
-    for (int p = 0; p < 4; p++) {
-        const int here = nr - 16 * p;
-        if (here <= 0) {
-            for (int g = 0; g < G; g++) pk[p * G + g] = flip;
-            continue;
-        }
-        const int8_t *src = (const int8_t *)w->data + (size_t)(r + 16 * p) * (size_t)cols + c0;
-        for (int cc = 0; cc < kc; cc += 64) {
-            const int nb = kc - cc < 64 ? kc - cc : 64;
-            const __mmask64 m = a512_mask64(nb);
-            __m512i v[16];
-            for (int l = 0; l < 16; l++) {
-                const int8_t *line = src + (size_t)l * (size_t)cols + cc;
-                if (l < here) _mm_prefetch((const char *)((uintptr_t)line + (uintptr_t)pf), _MM_HINT_T0);   /* may lie past w */
-                v[l] = l < here ? _mm512_maskz_loadu_epi8(m, line) : _mm512_setzero_si512();
-            }
-            a512_transpose16_epi32(v);
-            for (int j = 0; j < nb / 4; j++) pk[p * G + cc / 4 + j] = _mm512_xor_si512(v[j], flip);
-        }
-    }
-}
-
-GL_A512_INLINE void a512_pk_dot(const __m512i *pk, int G, const int8_t *xq, int ldx, int nt, __m512i acc[4][A512_PK_NT]) {
     for (int g = 0; g < G; g++) {
-        const __m512i w0 = pk[g], w1 = pk[G + g], w2 = pk[2 * G + g], w3 = pk[3 * G + g];
+        if (pf)
+            for (int p = 0; p < 4; p++) _mm_prefetch((const char *)((uintptr_t)(wp[p] + 64 * (size_t)g) + (uintptr_t)pf), _MM_HINT_NTA);
+        const __m512i w0 = _mm512_xor_si512(_mm512_loadu_si512(wp[0] + 64 * (size_t)g), flip);
+        const __m512i w1 = _mm512_xor_si512(_mm512_loadu_si512(wp[1] + 64 * (size_t)g), flip);
+        const __m512i w2 = _mm512_xor_si512(_mm512_loadu_si512(wp[2] + 64 * (size_t)g), flip);
+        const __m512i w3 = _mm512_xor_si512(_mm512_loadu_si512(wp[3] + 64 * (size_t)g), flip);
 #pragma GCC unroll 8
         for (int t = 0; t < nt; t++) {
-            int32_t four;
-            memcpy(&four, xq + (size_t)t * ldx + 4 * g, 4);
-            const __m512i xb = _mm512_set1_epi32(four);
+            const __m512i xb = _mm512_set1_epi32(a512_load_i32(xq + (size_t)t * ldx + 4 * (size_t)g));
             a512_dpbusd(&acc[0][t], w0, xb);
             a512_dpbusd(&acc[1][t], w1, xb);
             a512_dpbusd(&acc[2][t], w2, xb);
@@ -534,116 +384,141 @@ GL_A512_INLINE void a512_pk_dot(const __m512i *pk, int G, const int8_t *xq, int 
     }
 }
 
-GL_A512_INLINE void a512_pk_tile(const __m512i *pk, int G, const int8_t *xq, int ldx, int nt, const int32_t *xsum,
-                                 const float *xs, const float *wscale, int nr, float *y, int ldy) {
-    __m512i acc[4][A512_PK_NT];
-#pragma GCC unroll 8
-    for (int t = 0; t < nt; t++)
-#pragma GCC unroll 4
-        for (int p = 0; p < 4; p++) acc[p][t] = _mm512_setzero_si512();
-    a512_pk_dot(pk, G, xq, ldx, nt, acc);
+/* The columns past the last whole group of 4 (cols % 4 of them): the
+ * tokens' bytes there, zero-padded, as one group (never reading past cols). */
+GL_A512_INLINE void a512_q8_dot_tail(const int8_t *const wp[4], int cols, const int8_t *xq, int ldx, int nt,
+                                     __m512i acc[4][A512_Q8_NT]) {
+    const int G = cols / 4, rem = cols - 4 * G;
+    if (!rem) return;
+    int8_t tail[A512_Q8_NT][4];
+    memset(tail, 0, sizeof tail);
+    for (int t = 0; t < nt; t++) memcpy(tail[t], xq + (size_t)t * ldx + 4 * (size_t)G, (size_t)rem);
+    const int8_t *wt[4] = {wp[0] + 64 * (size_t)G, wp[1] + 64 * (size_t)G, wp[2] + 64 * (size_t)G, wp[3] + 64 * (size_t)G};
+    a512_q8_dot(wt, 1, &tail[0][0], 4, nt, acc, 0);
+}
+
+/* Tokens [0, nt) x the 4 panels from P (those past the last one P1 repeat
+ * P, and store nothing), the whole row. */
+GL_A512_INLINE void a512_q8_tile(const gl_mat *w, int P, int P1, const int8_t *xq, int ldx, int nt, const int32_t *xsum,
+                                 const float *xs, int r0, int r1, float *y, int ldy) {
+    const size_t ps = gl_q8_panel_bytes(w->cols);
+    const int8_t *base = (const int8_t *)w->data;
+    const int8_t *wp[4];
+    __m512i acc[4][A512_Q8_NT];
 #pragma GCC unroll 4
     for (int p = 0; p < 4; p++) {
-        int here = nr - 16 * p;
-        if (here <= 0) break;
-        const __mmask16 m = here >= 16 ? (__mmask16)0xffff : a512_mask16(here);
-        const __m512 ws = _mm512_maskz_loadu_ps(m, wscale + 16 * p);
+        wp[p] = base + (size_t)(P + p < P1 ? P + p : P) * ps;
 #pragma GCC unroll 8
-        for (int t = 0; t < nt; t++) {
-            __m512i sum = _mm512_sub_epi32(acc[p][t], _mm512_set1_epi32((int32_t)((uint32_t)xsum[t] << 7)));
-            __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum), ws), _mm512_set1_ps(xs[t]));
-            _mm512_mask_storeu_ps(y + (size_t)t * ldy + 16 * p, m, v);
-        }
+        for (int t = 0; t < nt; t++) acc[p][t] = _mm512_setzero_si512();
+    }
+    a512_q8_dot(wp, w->cols / 4, xq, ldx, nt, acc, A512_Q8_PF);
+    a512_q8_dot_tail(wp, w->cols, xq, ldx, nt, acc);
+#pragma GCC unroll 4
+    for (int p = 0; p < 4; p++) {
+        const __mmask16 m = P + p < P1 ? a512_rows_mask(P + p, r0, r1) : 0;
+#pragma GCC unroll 8
+        for (int t = 0; t < nt; t++)
+            a512_q8_store(acc[p][t], xsum[t], xs[t], w->scale + 16 * (P + p), m, y + (size_t)t * ldy + 16 * (P + p));
     }
 }
 
-GL_A512_INLINE void a512_matmul_q8_packed(const gl_mat *w, const int8_t *xq, const float *xscale, const int32_t *xsum,
-                                          int n, int ldx, float *y, int ldy, int r0, int r1) {
-    __m512i pk[4 * A512_PK_COLS / 4];
-    const int G = w->cols / 4;
-    for (int r = r0; r < r1; r += A512_PK_ROWS) {
-        const int nr = r1 - r < A512_PK_ROWS ? r1 - r : A512_PK_ROWS;
-        a512_pack64_at(w, r, nr, 0, w->cols, (ptrdiff_t)A512_PK_ROWS * w->cols, pk);   /* the next 64 rows */
-        for (int i = 0; i < n; i += A512_PK_NT) {
-            const int nt = n - i < A512_PK_NT ? n - i : A512_PK_NT;
-            const int8_t *xi = xq + (size_t)i * ldx;
-            float *yi = y + (size_t)i * ldy + r;
-            switch (nt) {
-            case 6: a512_pk_tile(pk, G, xi, ldx, 6, xsum + i, xscale + i, w->scale + r, nr, yi, ldy); break;
-            case 5: a512_pk_tile(pk, G, xi, ldx, 5, xsum + i, xscale + i, w->scale + r, nr, yi, ldy); break;
-            case 4: a512_pk_tile(pk, G, xi, ldx, 4, xsum + i, xscale + i, w->scale + r, nr, yi, ldy); break;
-            case 3: a512_pk_tile(pk, G, xi, ldx, 3, xsum + i, xscale + i, w->scale + r, nr, yi, ldy); break;
-            case 2: a512_pk_tile(pk, G, xi, ldx, 2, xsum + i, xscale + i, w->scale + r, nr, yi, ldy); break;
-            case 1: a512_pk_tile(pk, G, xi, ldx, 1, xsum + i, xscale + i, w->scale + r, nr, yi, ldy); break;
-            }
-        }
-    }
-}
-
-/* Long rows and 12+ tokens (prefill's GEMMs, batched decode): the same
- * packed panels, 512 columns at a time.  For 64 rows, every block of up to
- * A512_PKK_NT tokens keeps exact int32 sums on the stack; each 512-column
- * slice of the rows is packed once and passed over by all of the block's
- * tokens, six at a time, one weight vector feeding six vpdpbusd with the
- * tokens' 4 bytes broadcast -- instead of a tile's weight and token loads
- * feeding one each.  The sums are the exact int32 dot products, so the bits
- * are the scalar set's. */
-#define A512_PKK_NT 96
-
-GL_A512_INLINE void a512_pkk_tile(const __m512i *pk, int G, const int8_t *xq, int ldx, int nt, int32_t *acc) {
-    __m512i a[4][A512_PK_NT];
+/* As a512_q8_tile over one slice of columns, the sums kept in acc[t][64]. */
+GL_A512_INLINE void a512_q8_slice(const int8_t *const wp[4], int G, int cols_left, const int8_t *xq, int ldx, int nt,
+                                  int32_t *acc, ptrdiff_t pf) {
+    __m512i a[4][A512_Q8_NT];
 #pragma GCC unroll 8
     for (int t = 0; t < nt; t++)
 #pragma GCC unroll 4
         for (int p = 0; p < 4; p++) a[p][t] = _mm512_loadu_si512(acc + (size_t)t * 64 + 16 * p);
-    a512_pk_dot(pk, G, xq, ldx, nt, a);
+    a512_q8_dot(wp, G, xq, ldx, nt, a, pf);
+    if (cols_left <= A512_Q8_KC) a512_q8_dot_tail(wp, cols_left, xq, ldx, nt, a);   /* the last slice */
 #pragma GCC unroll 8
     for (int t = 0; t < nt; t++)
 #pragma GCC unroll 4
         for (int p = 0; p < 4; p++) _mm512_storeu_si512(acc + (size_t)t * 64 + 16 * p, a[p][t]);
 }
 
-GL_A512_INLINE void a512_matmul_q8_packed_k(const gl_mat *w, const int8_t *xq, const float *xscale, const int32_t *xsum,
-                                            int n, int ldx, float *y, int ldy, int r0, int r1) {
-    __m512i pk[4 * A512_PK_COLS / 4];
-    int32_t acc[A512_PKK_NT * 64];
-    const int cols = w->cols;
-    for (int i0 = 0; i0 < n; i0 += A512_PKK_NT) {
-        const int ni = n - i0 < A512_PKK_NT ? n - i0 : A512_PKK_NT;
-        const int8_t *xb = xq + (size_t)i0 * ldx;
-        for (int r = r0; r < r1; r += A512_PK_ROWS) {
-            const int nr = r1 - r < A512_PK_ROWS ? r1 - r : A512_PK_ROWS;
+#define A512_Q8_BY_NT(call_nt, nt) do { switch (nt) { \
+    case 6: call_nt(6); break; case 5: call_nt(5); break; case 4: call_nt(4); break; \
+    case 3: call_nt(3); break; case 2: call_nt(2); break; case 1: call_nt(1); break; } } while (0)
+
+/* Many tokens: blocks of A512_Q8_KNT, each over 64 rows a slice of columns at a time. */
+GL_A512_INLINE void a512_q8_sliced(const gl_mat *w, int n, const int8_t *xq, int ldx, const int32_t *xsum,
+                                   const float *xs, int r0, int r1, float *y, int ldy) {
+    int32_t acc[A512_Q8_KNT * 64];
+    const size_t ps = gl_q8_panel_bytes(w->cols);
+    const int cols = w->cols, P1 = (r1 + 15) / 16;
+    for (int i0 = 0; i0 < n; i0 += A512_Q8_KNT) {
+        const int ni = n - i0 < A512_Q8_KNT ? n - i0 : A512_Q8_KNT;
+        for (int P = r0 / 16; P < P1; P += 4) {
             memset(acc, 0, sizeof(int32_t) * 64 * (size_t)ni);
-            for (int c0 = 0; c0 < cols; c0 += A512_PK_COLS) {
-                const int kc = cols - c0 < A512_PK_COLS ? cols - c0 : A512_PK_COLS, G = kc / 4;
-                a512_pack64_at(w, r, nr, c0, kc, c0 + kc < cols ? kc : (ptrdiff_t)A512_PK_ROWS * cols - c0, pk);
-                for (int i = 0; i < ni; i += A512_PK_NT) {
-                    const int nt = ni - i < A512_PK_NT ? ni - i : A512_PK_NT;
-                    const int8_t *xi = xb + (size_t)i * ldx + c0;
+            for (int c0 = 0; c0 < cols; c0 += A512_Q8_KC) {
+                const int left = cols - c0, G = (left < A512_Q8_KC ? left : A512_Q8_KC) / 4;
+                const int8_t *wp[4];
+                for (int p = 0; p < 4; p++)
+                    wp[p] = (const int8_t *)w->data + (size_t)(P + p < P1 ? P + p : P) * ps + (size_t)c0 * 16;
+                for (int i = 0; i < ni; i += A512_Q8_NT) {
+                    const int nt = ni - i < A512_Q8_NT ? ni - i : A512_Q8_NT;
+                    const int8_t *xi = xq + (size_t)(i0 + i) * ldx + c0;
                     int32_t *ai = acc + (size_t)i * 64;
-                    switch (nt) {
-                    case 6: a512_pkk_tile(pk, G, xi, ldx, 6, ai); break;
-                    case 5: a512_pkk_tile(pk, G, xi, ldx, 5, ai); break;
-                    case 4: a512_pkk_tile(pk, G, xi, ldx, 4, ai); break;
-                    case 3: a512_pkk_tile(pk, G, xi, ldx, 3, ai); break;
-                    case 2: a512_pkk_tile(pk, G, xi, ldx, 2, ai); break;
-                    case 1: a512_pkk_tile(pk, G, xi, ldx, 1, ai); break;
-                    }
+                    /* the block's first tile brings in the next slice (or the next panels') */
+                    const ptrdiff_t pf = i ? 0 : left > A512_Q8_KC ? 16 * A512_Q8_KC : (ptrdiff_t)(4 * ps) - 16 * c0;
+#define A512_Q8_SLICE(k) a512_q8_slice(wp, G, left, xi, ldx, k, ai, pf)
+                    A512_Q8_BY_NT(A512_Q8_SLICE, nt);
+#undef A512_Q8_SLICE
                 }
             }
-            /* (sum - 128 xsum) * wscale * xscale, as the other paths */
-            for (int p = 0; p < 4; p++) {
-                int here = nr - 16 * p;
-                if (here <= 0) break;
-                const __mmask16 m = here >= 16 ? (__mmask16)0xffff : a512_mask16(here);
-                const __m512 ws = _mm512_maskz_loadu_ps(m, w->scale + r + 16 * p);
-                for (int t = 0; t < ni; t++) {
-                    __m512i sum = _mm512_sub_epi32(_mm512_loadu_si512(acc + (size_t)t * 64 + 16 * p),
-                                                   _mm512_set1_epi32((int32_t)((uint32_t)xsum[i0 + t] << 7)));
-                    __m512 v = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum), ws), _mm512_set1_ps(xscale[i0 + t]));
-                    _mm512_mask_storeu_ps(y + (size_t)(i0 + t) * ldy + r + 16 * p, m, v);
-                }
+            for (int p = 0; p < 4 && P + p < P1; p++) {
+                const __mmask16 m = a512_rows_mask(P + p, r0, r1);
+                for (int t = 0; t < ni; t++)
+                    a512_q8_store(_mm512_loadu_si512(acc + (size_t)t * 64 + 16 * p), xsum[i0 + t], xs[i0 + t],
+                                  w->scale + 16 * (P + p), m, y + (size_t)(i0 + t) * ldy + 16 * (P + p));
             }
+        }
+    }
+}
+
+/* One or two tokens, a panel at a time (one sequential run of bytes); four
+ * sums a token over alternate groups, so no vpdpbusd waits on the last. */
+GL_A512_INLINE void a512_q8_panelwise(const gl_mat *w, int nt, const int8_t *xq, int ldx, const int32_t *xsum,
+                                      const float *xs, int r0, int r1, float *y, int ldy) {
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    const size_t ps = gl_q8_panel_bytes(w->cols);
+    const int G = w->cols / 4, G4 = G & ~3;
+    for (int P = r0 / 16; 16 * P < r1; P++) {
+        const int8_t *wp = (const int8_t *)w->data + (size_t)P * ps;
+        __m512i a[2][4];
+        for (int t = 0; t < 2; t++)
+            for (int j = 0; j < 4; j++) a[t][j] = _mm512_setzero_si512();
+        int g = 0;
+        for (; g < G4; g += 4) {
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) _mm_prefetch((const char *)((uintptr_t)(wp + 64 * (size_t)(g + j)) + A512_Q8_PF), _MM_HINT_NTA);
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) {
+                const __m512i wv = _mm512_xor_si512(_mm512_loadu_si512(wp + 64 * (size_t)(g + j)), flip);
+                a512_dpbusd(&a[0][j], wv, _mm512_set1_epi32(a512_load_i32(xq + 4 * (size_t)(g + j))));
+                if (nt > 1) a512_dpbusd(&a[1][j], wv, _mm512_set1_epi32(a512_load_i32(xq + ldx + 4 * (size_t)(g + j))));
+            }
+        }
+        for (; g < G; g++) {
+            const __m512i wv = _mm512_xor_si512(_mm512_loadu_si512(wp + 64 * (size_t)g), flip);
+            a512_dpbusd(&a[0][0], wv, _mm512_set1_epi32(a512_load_i32(xq + 4 * (size_t)g)));
+            if (nt > 1) a512_dpbusd(&a[1][0], wv, _mm512_set1_epi32(a512_load_i32(xq + ldx + 4 * (size_t)g)));
+        }
+        const int rem = w->cols - 4 * G;
+        if (rem) {                             /* the last, partial group */
+            const __m512i wv = _mm512_xor_si512(_mm512_loadu_si512(wp + 64 * (size_t)G), flip);
+            for (int t = 0; t < nt; t++) {
+                int32_t four = 0;
+                memcpy(&four, xq + (size_t)t * ldx + 4 * (size_t)G, (size_t)rem);
+                a512_dpbusd(&a[t][0], wv, _mm512_set1_epi32(four));
+            }
+        }
+        const __mmask16 m = a512_rows_mask(P, r0, r1);
+        for (int t = 0; t < nt; t++) {
+            const __m512i sum = _mm512_add_epi32(_mm512_add_epi32(a[t][0], a[t][1]), _mm512_add_epi32(a[t][2], a[t][3]));
+            a512_q8_store(sum, xsum[t], xs[t], w->scale + 16 * P, m, y + (size_t)t * ldy + 16 * P);
         }
     }
 }
@@ -651,26 +526,22 @@ GL_A512_INLINE void a512_matmul_q8_packed_k(const gl_mat *w, const int8_t *xq, c
 static GL_A512 void a512_matmul_q8(const gl_mat *w, const int8_t *xq, const float *xscale, int n, int ldx,
                                    float *y, int ldy, int r0, int r1) {
     int32_t xsum[A512_XSUM_MAX];
-    if (w->cols % 4 == 0 && n >= A512_PK_MIN(w->cols)) {                 /* packed panels */
-        const int short_rows = w->cols <= A512_PK_COLS;
-        for (int i0 = 0; i0 < n; i0 += A512_XSUM_MAX) {
-            const int ni = n - i0 < A512_XSUM_MAX ? n - i0 : A512_XSUM_MAX;
-            const int8_t *xb = xq + (size_t)i0 * ldx;
-            a512_xsums(xb, ni, ldx, w->cols, xsum);
-            if (short_rows) a512_matmul_q8_packed(w, xb, xscale + i0, xsum, ni, ldx, y + (size_t)i0 * ldy, ldy, r0, r1);
-            else a512_matmul_q8_packed_k(w, xb, xscale + i0, xsum, ni, ldx, y + (size_t)i0 * ldy, ldy, r0, r1);
-        }
-        return;
-    }
-    int nb = gl_token_block(w->cols, 1);
-    if (nb > A512_XSUM_MAX) nb = A512_XSUM_MAX;
-    const int r = a512_panels_end(n, (size_t)w->cols, r0, r1);
-    for (int i0 = 0; i0 < n; i0 += nb) {
-        const int ni = n - i0 < nb ? n - i0 : nb;
+    if (r1 <= r0) return;
+    for (int i0 = 0; i0 < n; i0 += A512_XSUM_MAX) {
+        const int ni = n - i0 < A512_XSUM_MAX ? n - i0 : A512_XSUM_MAX;
         const int8_t *xb = xq + (size_t)i0 * ldx;
+        const float *xs = xscale + i0;
+        float *yb = y + (size_t)i0 * ldy;
         a512_xsums(xb, ni, ldx, w->cols, xsum);
-        a512_panels_q8(w, A512_NR, xb, xscale + i0, xsum, ni, ldx, y + (size_t)i0 * ldy, ldy, r0, r);
-        a512_panels_q8(w, 1, xb, xscale + i0, xsum, ni, ldx, y + (size_t)i0 * ldy, ldy, r, r1);
+        if (ni <= 2) a512_q8_panelwise(w, ni, xb, ldx, xsum, xs, r0, r1, yb, ldy);
+        else if (ni <= A512_Q8_NT) {
+            const int P1 = (r1 + 15) / 16;
+            for (int P = r0 / 16; P < P1; P += 4) {
+#define A512_Q8_TILE(k) a512_q8_tile(w, P, P1, xb, ldx, k, xsum, xs, r0, r1, yb, ldy)
+                A512_Q8_BY_NT(A512_Q8_TILE, ni);
+#undef A512_Q8_TILE
+            }
+        } else a512_q8_sliced(w, ni, xb, ldx, xsum, xs, r0, r1, yb, ldy);
     }
 }
 

@@ -606,30 +606,37 @@ static void pe_kvf_parser(void) {
 }
 
 /* The model cache: INT8 weights made once, then mapped by a later load of
- * the same model with the same tokens; a damaged file is remade. */
-static int pe_n_mapped, pe_n_remade;
+ * the same model with the same tokens; a damaged file, or one an older
+ * version made (row-major INT8 weights), is remade. */
+static int pe_n_mapped, pe_n_remade, pe_n_version;
 static void pe_q8_log(void *user, int level, const char *msg) {
     (void)user; (void)level;
     if (strstr(msg, "INT8 weights mapped")) pe_n_mapped++;
     if (strstr(msg, "model cache:") && strstr(msg, "ignored")) pe_n_remade++;
+    if (strstr(msg, "model cache:") && strstr(msg, "another version")) pe_n_version++;
 }
 
 static void pe_model_cache(void) {
     char dir[] = "/tmp/cm384-peers-q8-XXXXXX";
     if (!mkdtemp(dir)) { CHECK(0, "mkdtemp"); return; }
-    static pe_job runs[3];
-    for (int pass = 0; pass < 3; pass++) {
+    static pe_job runs[4];
+    for (int pass = 0; pass < 4; pass++) {
         if (pass == 2) {                                   /* damage the file: one byte of its data */
             char cmd[600];
             snprintf(cmd, sizeof cmd, "f=$(ls %s/*.q8) && printf 'Z' | dd of=$f bs=1 seek=5000 conv=notrunc 2>/dev/null", dir);
             CHECK(system(cmd) == 0, "damage the INT8 file");
+        }
+        if (pass == 3) {                                   /* format version 1 in the header */
+            char cmd[600];
+            snprintf(cmd, sizeof cmd, "f=$(ls %s/*.q8) && printf '\\001\\000\\000\\000' | dd of=$f bs=1 seek=8 conv=notrunc 2>/dev/null", dir);
+            CHECK(system(cmd) == 0, "age the INT8 file");
         }
         cm384_model *m;
         if (cm384_model_load(PE_FIX, NULL, &m)) { CHECK(0, "load"); break; }
         cm384_config c;
         cm384_config_init(&c);
         c.n_workers = 2; c.max_ctx = 256; c.int8 = 1; c.cache_dir = dir; c.log = pe_q8_log;
-        pe_n_mapped = pe_n_remade = 0;
+        pe_n_mapped = pe_n_remade = pe_n_version = 0;
         cm384_engine *e = NULL;
         if (cm384_engine_create(m, &c, &e)) { CHECK(0, "engine: %s", cm384_last_error()); cm384_model_free(m); break; }
         pe_job *j = &runs[pass];
@@ -640,11 +647,12 @@ static void pe_model_cache(void) {
         cm384_engine_free(e);
         cm384_model_free(m);
         int same = pass == 0 || pe_same(j, &runs[0]);
-        printf("model cache, %s: INT8 weights %s, tokens %s\n", pass == 0 ? "first load" : pass == 1 ? "second load" : "damaged file",
+        printf("model cache, %s: INT8 weights %s, tokens %s\n", pass == 0 ? "first load" : pass == 1 ? "second load" : pass == 2 ? "damaged file" : "older version's file",
                pe_n_mapped ? "from cache_dir" : "made", same ? "identical" : "DIFFERENT");
         CHECK(same && j->status == CM384_OK, "model cache pass %d: tokens differ", pass);
         CHECK(pe_n_mapped == (pass == 1), "pass %d: mapped %d times", pass, pe_n_mapped);
-        CHECK(pe_n_remade == (pass == 2), "pass %d: %d damaged-file log lines", pass, pe_n_remade);
+        CHECK(pe_n_remade == (pass >= 2), "pass %d: %d damaged-file log lines", pass, pe_n_remade);
+        CHECK(pe_n_version == (pass == 3), "pass %d: %d older-version log lines", pass, pe_n_version);
     }
     char cmd[300];
     snprintf(cmd, sizeof cmd, "rm -rf %s", dir);
