@@ -892,7 +892,7 @@ static test_mat make_qmat(int type, int rows, int cols) {
         else memcpy(blk, &d, 2);
         if (type == GL_Q4_K || type == GL_Q5_K || type == GL_Q4_1 || type == GL_Q5_1) memcpy(blk + 2, &dm, 2);
     }
-    t.data = p; t.scale = NULL;
+    t.data = p; t.scale = NULL; t.q8rows = NULL;
     t.m.type = type; t.m.rows = rows; t.m.cols = cols; t.m.data = p; t.m.scale = NULL;
     return t;
 }
