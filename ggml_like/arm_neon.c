@@ -215,52 +215,66 @@ static void neon_matmul(const gl_mat *w, const float *x, int n, int ldx, float *
 }
 
 /* ---- W8A8 ----
- * int32 sums are exact, so tiling and order do not matter.  Plain NEON:
- * two widening multiplies into int16 (a pair of products is at most
- * 2*128*127 = 32512: no overflow, as the activations are never -128), then
- * a pairwise add into int32.  SDOT does four products into int32 at once.
+ * int32 sums are exact, so tiling and order do not matter; arm_neon_q8.h
+ * describes the tiles over GL_Q8's panels, written once and compiled twice.
  * y = (float)acc * wscale * xscale, in that order, as the scalar set. */
 
-GL_NEON_INLINE int32x4_t neon_mac_i8(int32x4_t acc, int8x16_t w, int8x16_t x) {
-    int16x8_t p = vmull_s8(vget_low_s8(w), vget_low_s8(x));
-    p = vmlal_high_s8(p, w, x);
-    return vpadalq_s16(acc, p);
+/* A token's group j (its 4 bytes) in every lane. */
+#define NEON_LANE4(x, j) vreinterpretq_s8_s32(vdupq_laneq_s32(vreinterpretq_s32_s8(x), j))
+
+/* Plain NEON: a weight vector holds rows 0-1 of its 4 in the low 8 bytes,
+ * rows 2-3 in the high.  Two groups' products add in int16 (a pair is at most
+ * 2*128*127 = 32512: no overflow, as the activations are never -128), then
+ * pairwise into int32, so lo's lanes are row 0's two halves and row 1's, hi's
+ * the same for rows 2-3; one vpaddq_s32 at the end gives the 4 rows' sums. */
+typedef struct { int32x4_t lo, hi; } neon_acc_q8;
+
+GL_NEON_INLINE neon_acc_q8 neon_mac_q8(neon_acc_q8 a, int8x16_t w0, int8x16_t w1, int8x16_t x0, int8x16_t x1) {
+    int16x8_t lo = vmlal_s8(vmull_s8(vget_low_s8(w0), vget_low_s8(x0)), vget_low_s8(w1), vget_low_s8(x1));
+    int16x8_t hi = vmlal_high_s8(vmull_high_s8(w0, x0), w1, x1);
+    a.lo = vpadalq_s16(a.lo, lo);
+    a.hi = vpadalq_s16(a.hi, hi);
+    return a;
 }
 
-/* The W8A8 tile, tiles and matmul are written once in arm_neon_q8.h and
- * compiled twice: with the plain NEON multiply-add, and with SDOT under the
- * dotprod target (the intrinsic may only be inlined into functions compiled
- * for it, so the whole chain carries the attribute). */
 #define NEON_Q8(name) name##_plain
 #define NEON_Q8_TARGET
-#define NEON_Q8_MAC neon_mac_i8
+#define NEON_Q8_ACC neon_acc_q8
+#define NEON_Q8_ZERO ((neon_acc_q8){vdupq_n_s32(0), vdupq_n_s32(0)})
+#define NEON_Q8_SUM(a) vpaddq_s32((a).lo, (a).hi)
+#define NEON_Q8_MAC(a, w0, w1, x, j, k) neon_mac_q8(a, w0, w1, NEON_LANE4(x, j), NEON_LANE4(x, k))
+#define NEON_Q8_NQ 2   /* half a panel x 2 tokens, 2 registers each (a whole panel spilled) */
+#define NEON_Q8_NT 2
 #include "arm_neon_q8.h"
-#undef NEON_Q8
-#undef NEON_Q8_TARGET
-#undef NEON_Q8_MAC
 
+/* SDOT: 4 products into each int32 lane, by element (lane j of x), so the
+ * accumulator is the 4 rows' sums.  The intrinsic may only be inlined into
+ * functions compiled for dotprod, so the whole chain carries the attribute. */
 #if defined(__clang__)
 #define NEON_Q8_TARGET __attribute__((target("dotprod")))
 #else
 #define NEON_Q8_TARGET __attribute__((target("arch=armv8.2-a+dotprod")))
 #endif
 #if defined(__clang__) && !defined(__ARM_FEATURE_DOTPROD)
-/* older clang declares vdotq_s32 only when the whole file targets dotprod */
-GL_NEON_INLINE NEON_Q8_TARGET int32x4_t neon_sdot(int32x4_t acc, int8x16_t w, int8x16_t x) {
-    __asm__("sdot %0.4s, %1.16b, %2.16b" : "+w"(acc) : "w"(w), "w"(x));
-    return acc;
-}
+/* older clang declares vdotq_laneq_s32 only when the whole file targets dotprod */
+#define NEON_SDOT_LANE(j)                                                                             \
+    GL_NEON_INLINE NEON_Q8_TARGET int32x4_t neon_sdot_##j(int32x4_t acc, int8x16_t w, int8x16_t x) { \
+        __asm__("sdot %0.4s, %1.16b, %2.4b[" #j "]" : "+w"(acc) : "w"(w), "w"(x));                 \
+        return acc;                                                                                  \
+    }
+NEON_SDOT_LANE(0) NEON_SDOT_LANE(1) NEON_SDOT_LANE(2) NEON_SDOT_LANE(3)
+#undef NEON_SDOT_LANE
+#define NEON_Q8_MAC(a, w0, w1, x, j, k) neon_sdot_##k(neon_sdot_##j(a, w0, x), w1, x)
 #else
-GL_NEON_INLINE NEON_Q8_TARGET int32x4_t neon_sdot(int32x4_t acc, int8x16_t w, int8x16_t x) {
-    return vdotq_s32(acc, w, x);
-}
+#define NEON_Q8_MAC(a, w0, w1, x, j, k) vdotq_laneq_s32(vdotq_laneq_s32(a, w0, x, j), w1, x, k)
 #endif
 #define NEON_Q8(name) name##_dot
-#define NEON_Q8_MAC neon_sdot
+#define NEON_Q8_ACC int32x4_t
+#define NEON_Q8_ZERO vdupq_n_s32(0)
+#define NEON_Q8_SUM(a) (a)
+#define NEON_Q8_NQ 4   /* a whole panel x 4 tokens */
+#define NEON_Q8_NT 4
 #include "arm_neon_q8.h"
-#undef NEON_Q8
-#undef NEON_Q8_TARGET
-#undef NEON_Q8_MAC
 
 /* Same values as scalar_quantize_q8: max|x| is exact in any order, x*inv is
  * one rounding, and vcvtn rounds to nearest even like lrintf (default mode). */
