@@ -18,7 +18,8 @@
  * each weight vector loaded serves 4 tokens and each activation vector 3
  * rows.  With n = 1 the same tile streams 3 weight rows at once (the
  * matrix-vector path, bound by memory bandwidth), prefetching ahead.  W8A8
- * has the same structure with 2x4 tiles (it needs |w| and w in registers).
+ * (x86_q8.h) reads GL_Q8's 16-row panels, one panel times 4 tokens a tile
+ * (8 in the EVEX copy, which has 32 registers).
  * A column-blocked GEMM (weights in L2, activations in L1, accumulators
  * saved between blocks) was measured slower than this on Zen 3 at every n
  * from 4 to 512, so there is one path. */
@@ -29,7 +30,6 @@
 
 #define AVX2_NR 3      /* weight rows per fp tile          */
 #define AVX2_NT 4      /* tokens per tile                  */
-#define AVX2_Q8_NR 2   /* weight rows per int8 tile        */
 #ifndef GL_TOKEN_BLOCK_BYTES
 #define GL_TOKEN_BLOCK_BYTES 262144 /* activations per token block */
 #endif
@@ -237,16 +237,20 @@ GL_AVX2_INLINE __m256i avx2_mac_i8(__m256i acc, __m256i wabs, __m256i w, __m256i
  * vpdpbusd (u8 x s8, four products into each int32 lane), either as AVX-VNNI
  * (VEX: Alder Lake and later, Zen 5) or as AVX512-VNNI on 256-bit vectors
  * (EVEX: Ice Lake, Zen 4 and later).  The same sign trick feeds vpdpbusd:
- * |w| unsigned, x*sign(w) signed. */
+ * |w| unsigned, x*sign(w) signed.  vpdpbusd is written as asm: with the
+ * intrinsics gcc 12 copies every accumulator to another register and back
+ * each iteration (~20% slower prefill); {vex} asks for the AVX-VNNI encoding. */
 #define X86_Q8(name) avx2_##name
 #define X86_Q8_INLINE GL_AVX2_INLINE
 #define X86_Q8_FN GL_AVX2
 #define X86_Q8_MAC avx2_mac_i8
+#define X86_Q8_NT 4
 #include "x86_q8.h"
 #undef X86_Q8
 #undef X86_Q8_INLINE
 #undef X86_Q8_FN
 #undef X86_Q8_MAC
+#undef X86_Q8_NT
 
 #define GL_VNNI_TARGET "avx2,fma,f16c,avxvnni"
 #define GL_EVEX_TARGET "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"
@@ -254,32 +258,38 @@ GL_AVX2_INLINE __m256i avx2_mac_i8(__m256i acc, __m256i wabs, __m256i w, __m256i
 static inline __attribute__((always_inline, target(GL_VNNI_TARGET))) __m256i
 vnni_mac_i8(__m256i acc, __m256i wabs, __m256i w, __m256i x, __m256i ones) {
     (void)ones;
-    return _mm256_dpbusd_avx_epi32(acc, wabs, _mm256_sign_epi8(x, w));
+    __asm__("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(wabs), "x"(_mm256_sign_epi8(x, w)));
+    return acc;
 }
 #define X86_Q8(name) vnni_##name
 #define X86_Q8_INLINE static inline __attribute__((always_inline, target(GL_VNNI_TARGET)))
 #define X86_Q8_FN __attribute__((target(GL_VNNI_TARGET)))
 #define X86_Q8_MAC vnni_mac_i8
+#define X86_Q8_NT 4
 #include "x86_q8.h"
 #undef X86_Q8
 #undef X86_Q8_INLINE
 #undef X86_Q8_FN
 #undef X86_Q8_MAC
+#undef X86_Q8_NT
 
 static inline __attribute__((always_inline, target(GL_EVEX_TARGET))) __m256i
 evex_mac_i8(__m256i acc, __m256i wabs, __m256i w, __m256i x, __m256i ones) {
     (void)ones;
-    return _mm256_dpbusd_epi32(acc, wabs, _mm256_sign_epi8(x, w));
+    __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(wabs), "v"(_mm256_sign_epi8(x, w)));
+    return acc;
 }
 #define X86_Q8(name) evex_##name
 #define X86_Q8_INLINE static inline __attribute__((always_inline, target(GL_EVEX_TARGET)))
 #define X86_Q8_FN __attribute__((target(GL_EVEX_TARGET)))
 #define X86_Q8_MAC evex_mac_i8
+#define X86_Q8_NT 8
 #include "x86_q8.h"
 #undef X86_Q8
 #undef X86_Q8_INLINE
 #undef X86_Q8_FN
 #undef X86_Q8_MAC
+#undef X86_Q8_NT
 
 
 /* Same values as scalar_quantize_q8: max|x| is exact in any order, x*inv is

@@ -1,113 +1,115 @@
 /* x86_q8.h -- the x86 W8A8 matmul, included once per instruction set by
  * x86_avx2.c: X86_Q8(name) names this copy's functions, X86_Q8_INLINE and
- * X86_Q8_FN carry its target attribute, and X86_Q8_MAC(acc, |w|, w, x, ones)
- * adds the 32 products w*x into the 8 int32 lanes of acc.  Every MAC sums
- * exactly (int32, no saturation for activations in [-127, 127]), so every
- * copy gives the scalar set's bits. */
+ * X86_Q8_FN carry its target attribute, X86_Q8_NT is its tokens per tile,
+ * and X86_Q8_MAC(acc, |w|, w, x, ones) adds the 32 products w*x into the 8
+ * int32 lanes of acc.
+ *
+ * The weights are GL_Q8's 16-row panels (ggml_like.h): a panel's 64-byte
+ * group g is two vectors, rows 0-7 and rows 8-15, each int32 lane one row's
+ * columns 4g..4g+3.  A token's 4 bytes at 4g, broadcast to every lane, times
+ * one vector gives 8 rows' partial sums in their own lanes, so a tile (one
+ * panel times X86_Q8_NT tokens) keeps 2*NT accumulators that end as 8
+ * consecutive y values each: convert, scale, one store; no horizontal sums.
+ * |w| is taken once per weight vector, sign(x, w) once per vector and token.
+ * Every MAC sums exactly (int32, no saturation for activations in
+ * [-127, 127]), so every copy gives the scalar set's bits.
+ *
+ * Loop structure: tokens in blocks whose activations stay in L2; in a
+ * block, every panel overlapping [r0, r1) is read by each token tile in
+ * turn (the first tile pulls it from memory and prefetches ahead, the
+ * others find it in cache).  Padding rows are computed, never stored. */
 
-/* As avx2_tile, for int8 rows and tokens (32 columns a step). */
-X86_Q8_INLINE void X86_Q8(tile_q8)(const gl_mat *w, int r, int nr, const int8_t *xq, const float *xs, int ldx, int nt,
-                                 float *y, int ldy, const int8_t *pf) {
-    const int cols = w->cols, full = cols & ~31;
+#ifndef GL_Q8_PF_ROWS
+#define GL_Q8_PF_ROWS 4   /* prefetch distance: this many rows' bytes */
+#endif
+
+/* A token's 4 bytes from p (nb of them, the rest zero: never past the
+ * token's cols) in every lane. */
+X86_Q8_INLINE __m256i X86_Q8(x4)(const int8_t *p, int nb) {
+    int32_t v = 0;
+    memcpy(&v, p, (size_t)nb);
+    return _mm256_set1_epi32(v);
+}
+
+/* Panel p (rows 16p..16p+15) times nt tokens; y rows in [r0, r1) only. */
+X86_Q8_INLINE void X86_Q8(tile_q8)(const gl_mat *w, int p, const int8_t *xq, const float *xs, int ldx, int nt,
+                                 float *y, int ldy, int r0, int r1, const int8_t *pf) {
+    const int8_t *panel = (const int8_t *)w->data + (size_t)p * gl_q8_panel_bytes(w->cols);
+    const int full = w->cols >> 2, rem = w->cols & 3;
+    __m256i acc[X86_Q8_NT][2];
+#pragma GCC unroll 8
+    for (int t = 0; t < nt; t++) acc[t][0] = acc[t][1] = _mm256_setzero_si256();
     const __m256i ones = _mm256_set1_epi16(1);
-    const int8_t *wr[AVX2_Q8_NR];
-    __m256i acc[AVX2_Q8_NR][AVX2_NT], wv[AVX2_Q8_NR], wa[AVX2_Q8_NR];
-#pragma GCC unroll 4
-    for (int k = 0; k < nr; k++) {
-        wr[k] = (const int8_t *)w->data + (size_t)(r + k) * (size_t)cols;
-#pragma GCC unroll 4
-        for (int t = 0; t < nt; t++) acc[k][t] = _mm256_setzero_si256();
-    }
-    for (int c = 0; c < full; c += 32) {
-        _mm_prefetch((const char *)(pf + (size_t)c * nr), _MM_HINT_NTA);
-        if (nr > 2) _mm_prefetch((const char *)(pf + (size_t)c * nr + 64), _MM_HINT_NTA);
-#pragma GCC unroll 4
-        for (int k = 0; k < nr; k++) {
-            wv[k] = _mm256_loadu_si256((const __m256i *)(wr[k] + c));
-            wa[k] = _mm256_abs_epi8(wv[k]);
-        }
-#pragma GCC unroll 4
+    for (int g = 0; g < full; g++) {
+        const int8_t *wg = panel + (size_t)g * 64;
+        _mm_prefetch((const char *)(pf + (size_t)g * 64), _MM_HINT_NTA);
+        const __m256i w0 = _mm256_loadu_si256((const __m256i *)wg), w1 = _mm256_loadu_si256((const __m256i *)(wg + 32));
+        const __m256i a0 = _mm256_abs_epi8(w0), a1 = _mm256_abs_epi8(w1);
+#pragma GCC unroll 8
         for (int t = 0; t < nt; t++) {
-            __m256i xv = _mm256_loadu_si256((const __m256i *)(xq + (size_t)t * ldx + c));
-#pragma GCC unroll 4
-            for (int k = 0; k < nr; k++) acc[k][t] = X86_Q8_MAC(acc[k][t], wa[k], wv[k], xv, ones);
+            const __m256i xv = X86_Q8(x4)(xq + (size_t)t * ldx + 4 * g, 4);
+            acc[t][0] = X86_Q8_MAC(acc[t][0], a0, w0, xv, ones);
+            acc[t][1] = X86_Q8_MAC(acc[t][1], a1, w1, xv, ones);
         }
     }
-    if (full < cols) {   /* zero padding adds nothing to an exact sum */
-        const size_t rem = (size_t)(cols - full);
-#pragma GCC unroll 4
-        for (int k = 0; k < nr; k++) {
-            int8_t buf[32] = {0};
-            memcpy(buf, wr[k] + full, rem);
-            wv[k] = _mm256_loadu_si256((const __m256i *)buf);
-            wa[k] = _mm256_abs_epi8(wv[k]);
-        }
-#pragma GCC unroll 4
+    /* y = (float)sum * wscale * xscale, in the scalar set's order.  The
+       zero-padded last group (cols % 4 != 0) joins here, from the tokens'
+       remaining bytes only: after the loop, or before it, it made gcc copy
+       and spill the accumulators inside the loop. */
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; h++) {
+        const int rb = 16 * p + 8 * h;
+        const __m256i wl = rem ? _mm256_loadu_si256((const __m256i *)(panel + (size_t)full * 64 + 32 * h))
+                               : _mm256_setzero_si256(), al = _mm256_abs_epi8(wl);
+        const int whole = rb >= r0 && rb + 8 <= r1, lo = r0 > rb ? r0 : rb, hi = r1 < rb + 8 ? r1 : rb + 8;
+#pragma GCC unroll 8
         for (int t = 0; t < nt; t++) {
-            int8_t buf[32] = {0};
-            memcpy(buf, xq + (size_t)t * ldx + full, rem);
-            __m256i xv = _mm256_loadu_si256((const __m256i *)buf);
-#pragma GCC unroll 4
-            for (int k = 0; k < nr; k++) acc[k][t] = X86_Q8_MAC(acc[k][t], wa[k], wv[k], xv, ones);
+            __m256i sum = acc[t][h];
+            if (rem) sum = X86_Q8_MAC(sum, al, wl, X86_Q8(x4)(xq + (size_t)t * ldx + 4 * full, rem), ones);
+            if (whole) {
+                const __m256 v = _mm256_mul_ps(_mm256_cvtepi32_ps(sum), _mm256_loadu_ps(w->scale + rb));
+                _mm256_storeu_ps(y + (size_t)t * ldy + rb, _mm256_mul_ps(v, _mm256_set1_ps(xs[t])));
+            } else {   /* a panel cut by r0 or r1, or the padding rows */
+                int32_t s[8];
+                _mm256_storeu_si256((__m256i *)s, sum);
+                for (int r = lo; r < hi; r++) y[(size_t)t * ldy + r] = (float)s[r - rb] * w->scale[r] * xs[t];
+            }
         }
     }
-    if (nr == 2 && nt == 4) {
-        /* the 8 sums at once (exact in int32, so any order gives the same
-           bits): hadd pairs the tokens' lanes, then the two 128-bit halves
-           are added; then (float)sum * wscale * xscale, four tokens a row */
-        const __m256i h0 = _mm256_hadd_epi32(acc[0][0], acc[0][1]), h1 = _mm256_hadd_epi32(acc[0][2], acc[0][3]);
-        const __m256i h2 = _mm256_hadd_epi32(acc[1][0], acc[1][1]), h3 = _mm256_hadd_epi32(acc[1][2], acc[1][3]);
-        const __m256i g0 = _mm256_hadd_epi32(h0, h1), g1 = _mm256_hadd_epi32(h2, h3);
-        const __m128i s0 = _mm_add_epi32(_mm256_castsi256_si128(g0), _mm256_extracti128_si256(g0, 1));
-        const __m128i s1 = _mm_add_epi32(_mm256_castsi256_si128(g1), _mm256_extracti128_si256(g1, 1));
-        const __m128 vx = _mm_loadu_ps(xs);
-        float o[2][4];
-        _mm_storeu_ps(o[0], _mm_mul_ps(_mm_mul_ps(_mm_cvtepi32_ps(s0), _mm_set1_ps(w->scale[r])), vx));
-        _mm_storeu_ps(o[1], _mm_mul_ps(_mm_mul_ps(_mm_cvtepi32_ps(s1), _mm_set1_ps(w->scale[r + 1])), vx));
-        for (int t = 0; t < 4; t++) {
-            y[(size_t)t * ldy + r] = o[0][t];
-            y[(size_t)t * ldy + r + 1] = o[1][t];
-        }
-        return;
-    }
-#pragma GCC unroll 4
-    for (int t = 0; t < nt; t++)
-#pragma GCC unroll 4
-        for (int k = 0; k < nr; k++)
-            y[(size_t)t * ldy + r + k] = (float)avx2_hsum_i32(acc[k][t]) * w->scale[r + k] * xs[t];
 }
 
-X86_Q8_INLINE void X86_Q8(tile_q8_nt)(const gl_mat *w, int r, int nr, const int8_t *xq, const float *xs, int ldx, int nt,
-                                    float *y, int ldy, const int8_t *pf) {
+X86_Q8_INLINE void X86_Q8(tile_q8_nt)(const gl_mat *w, int p, const int8_t *xq, const float *xs, int ldx, int nt,
+                                    float *y, int ldy, int r0, int r1, const int8_t *pf) {
     switch (nt) {
-    case 4: X86_Q8(tile_q8)(w, r, nr, xq, xs, ldx, 4, y, ldy, pf); break;
-    case 3: X86_Q8(tile_q8)(w, r, nr, xq, xs, ldx, 3, y, ldy, pf); break;
-    case 2: X86_Q8(tile_q8)(w, r, nr, xq, xs, ldx, 2, y, ldy, pf); break;
-    case 1: X86_Q8(tile_q8)(w, r, nr, xq, xs, ldx, 1, y, ldy, pf); break;
-    }
-}
-
-/* As avx2_panels. */
-X86_Q8_INLINE void X86_Q8(panels_q8)(const gl_mat *w, int nr, const int8_t *xq, const float *xs, int n, int ldx,
-                                   float *y, int ldy, int r, int r1) {
-    const size_t row_bytes = (size_t)w->cols;
-    for (; r + nr <= r1; r += nr) {
-        const int8_t *panel = (const int8_t *)w->data + (size_t)r * row_bytes;
-        const int8_t *pf = r + (GL_PF_PANELS + 1) * nr <= r1 ? panel + GL_PF_PANELS * (size_t)nr * row_bytes : panel;
-        for (int i = 0; i < n; i += AVX2_NT, pf = panel) {
-            int nt = n - i < AVX2_NT ? n - i : AVX2_NT;
-            X86_Q8(tile_q8_nt)(w, r, nr, xq + (size_t)i * ldx, xs + i, ldx, nt, y + (size_t)i * ldy, ldy, pf);
-        }
+#if X86_Q8_NT > 4
+    case 8: X86_Q8(tile_q8)(w, p, xq, xs, ldx, 8, y, ldy, r0, r1, pf); break;
+    case 7: X86_Q8(tile_q8)(w, p, xq, xs, ldx, 7, y, ldy, r0, r1, pf); break;
+    case 6: X86_Q8(tile_q8)(w, p, xq, xs, ldx, 6, y, ldy, r0, r1, pf); break;
+    case 5: X86_Q8(tile_q8)(w, p, xq, xs, ldx, 5, y, ldy, r0, r1, pf); break;
+#endif
+    case 4: X86_Q8(tile_q8)(w, p, xq, xs, ldx, 4, y, ldy, r0, r1, pf); break;
+    case 3: X86_Q8(tile_q8)(w, p, xq, xs, ldx, 3, y, ldy, r0, r1, pf); break;
+    case 2: X86_Q8(tile_q8)(w, p, xq, xs, ldx, 2, y, ldy, r0, r1, pf); break;
+    case 1: X86_Q8(tile_q8)(w, p, xq, xs, ldx, 1, y, ldy, r0, r1, pf); break;
     }
 }
 
 static X86_Q8_FN void X86_Q8(matmul_q8)(const gl_mat *w, const int8_t *xq, const float *xscale, int n, int ldx,
                                    float *y, int ldy, int r0, int r1) {
-    const int nb = gl_token_block(w->cols, 1), r = r0 + (r1 - r0) / AVX2_Q8_NR * AVX2_Q8_NR;
+    if (r0 >= r1) return;
+    const size_t pb = gl_q8_panel_bytes(w->cols), dist = (size_t)GL_Q8_PF_ROWS * (size_t)gl_q8_cols4(w->cols);
+    const int p0 = r0 / GL_Q8_PANEL, p1 = (r1 + GL_Q8_PANEL - 1) / GL_Q8_PANEL, nb = gl_token_block(w->cols, 1);
     for (int i0 = 0; i0 < n; i0 += nb) {
         const int ni = n - i0 < nb ? n - i0 : nb;
-        const int8_t *xb = xq + (size_t)i0 * ldx;
-        X86_Q8(panels_q8)(w, AVX2_Q8_NR, xb, xscale + i0, ni, ldx, y + (size_t)i0 * ldy, ldy, r0, r);
-        X86_Q8(panels_q8)(w, 1, xb, xscale + i0, ni, ldx, y + (size_t)i0 * ldy, ldy, r, r1);
+        for (int p = p0; p < p1; p++) {
+            /* the panels are one contiguous stream: the first tile reads
+               dist bytes ahead, as long as that stays in [r0, r1)'s panels */
+            const int8_t *panel = (const int8_t *)w->data + (size_t)p * pb;
+            const int8_t *pf = (size_t)(p1 - p) * pb >= dist + pb ? panel + dist : panel;
+            for (int i = i0; i < i0 + ni; i += X86_Q8_NT, pf = panel) {
+                const int nt = i0 + ni - i < X86_Q8_NT ? i0 + ni - i : X86_Q8_NT;
+                X86_Q8(tile_q8_nt)(w, p, xq + (size_t)i * ldx, xscale + i, ldx, nt, y + (size_t)i * ldy, ldy, r0, r1, pf);
+            }
+        }
     }
 }
