@@ -330,8 +330,10 @@ GL_A512_INLINE void a512_dpbusd(__m512i *acc, __m512i w, __m512i x) {
  * layout was made at load, so nothing is packed here.
  *
  * A tile is 4 panels (64 rows) x up to 6 tokens: each group's four weight
- * vectors feed 24 vpdpbusd.  Up to A512_Q8_NT tokens a tile runs the whole
- * row; more tokens take the columns a slice of A512_Q8_KC at a time (the 4
+ * vectors feed 24 vpdpbusd.  Rows of up to A512_Q8_KC columns (the per-head
+ * absorbed products, short FFN rows), or up to A512_Q8_NT tokens, go whole,
+ * every 6 tokens over the 4 panels while they sit in L1; longer rows with
+ * more tokens take the columns a slice of A512_Q8_KC at a time (the 4
  * panels' slice, 32 KB, stays in L1 while every 6 tokens of a block pass
  * over it) and keep the block's sums on the stack between slices.  One or
  * two tokens (decode) go a panel at a time: a panel is one sequential run of
@@ -400,7 +402,7 @@ GL_A512_INLINE void a512_q8_dot_tail(const int8_t *const wp[4], int cols, const 
 /* Tokens [0, nt) x the 4 panels from P (those past the last one P1 repeat
  * P, and store nothing), the whole row. */
 GL_A512_INLINE void a512_q8_tile(const gl_mat *w, int P, int P1, const int8_t *xq, int ldx, int nt, const int32_t *xsum,
-                                 const float *xs, int r0, int r1, float *y, int ldy) {
+                                 const float *xs, int r0, int r1, float *y, int ldy, ptrdiff_t pf) {
     const size_t ps = gl_q8_panel_bytes(w->cols);
     const int8_t *base = (const int8_t *)w->data;
     const int8_t *wp[4];
@@ -411,7 +413,7 @@ GL_A512_INLINE void a512_q8_tile(const gl_mat *w, int P, int P1, const int8_t *x
 #pragma GCC unroll 8
         for (int t = 0; t < nt; t++) acc[p][t] = _mm512_setzero_si512();
     }
-    a512_q8_dot(wp, w->cols / 4, xq, ldx, nt, acc, A512_Q8_PF);
+    a512_q8_dot(wp, w->cols / 4, xq, ldx, nt, acc, pf);
     a512_q8_dot_tail(wp, w->cols, xq, ldx, nt, acc);
 #pragma GCC unroll 4
     for (int p = 0; p < 4; p++) {
@@ -534,13 +536,17 @@ static GL_A512 void a512_matmul_q8(const gl_mat *w, const int8_t *xq, const floa
         float *yb = y + (size_t)i0 * ldy;
         a512_xsums(xb, ni, ldx, w->cols, xsum);
         if (ni <= 2) a512_q8_panelwise(w, ni, xb, ldx, xsum, xs, r0, r1, yb, ldy);
-        else if (ni <= A512_Q8_NT) {
+        else if (ni <= A512_Q8_NT || w->cols <= A512_Q8_KC) {   /* whole rows, the sums in registers */
             const int P1 = (r1 + 15) / 16;
-            for (int P = r0 / 16; P < P1; P += 4) {
-#define A512_Q8_TILE(k) a512_q8_tile(w, P, P1, xb, ldx, k, xsum, xs, r0, r1, yb, ldy)
-                A512_Q8_BY_NT(A512_Q8_TILE, ni);
+            for (int P = r0 / 16; P < P1; P += 4)
+                for (int i = 0; i < ni; i += A512_Q8_NT) {   /* the 4 panels (<= 32 KB) stay in L1 */
+                    const int nt = ni - i < A512_Q8_NT ? ni - i : A512_Q8_NT;
+                    /* the first tile streams them in and prefetches the next 4 */
+                    const ptrdiff_t pf = i ? 0 : ni <= A512_Q8_NT ? A512_Q8_PF : (ptrdiff_t)(4 * gl_q8_panel_bytes(w->cols));
+#define A512_Q8_TILE(k) a512_q8_tile(w, P, P1, xb + (size_t)i * ldx, ldx, k, xsum + i, xs + i, r0, r1, yb + (size_t)i * ldy, ldy, pf)
+                    A512_Q8_BY_NT(A512_Q8_TILE, nt);
 #undef A512_Q8_TILE
-            }
+                }
         } else a512_q8_sliced(w, ni, xb, ldx, xsum, xs, r0, r1, yb, ldy);
     }
 }
