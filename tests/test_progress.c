@@ -150,7 +150,8 @@ static int pr_ends(const char *s, const char *suffix) {
 
 /* The estimate's parts recomputed from the checkpoint's tensors: an INT8
  * engine reads the embeddings, the routers (and the vectors, as fp32
- * copies) in their stored type; every other 2-D weight is replaced by a copy of a byte per weight and a float per
+ * copies) in their stored type; every other 2-D weight is replaced by a copy of a byte per weight (in
+ * 16-row panels: rows padded to a multiple of 16, columns to 4) and a float per
  * row, kv_b_proj by its per-head W_uk^T [kv_lora x nope] and W_uv
  * [v x kv_lora] copies (and W_uk [nope x kv_lora], for the expanded
  * prefill, unless kv_b_proj is fp8). */
@@ -174,11 +175,11 @@ static void pr_estimate(const char *dir) {
             kv_b_rows = t->dtype != GL_F8_E4M3;
             continue;
         }
-        copies += (uint64_t)t->shape[0] * t->shape[1] + 4 * (uint64_t)t->shape[0];
+        copies += gl_q8_bytes((int)t->shape[0], (int)t->shape[1]) + 4 * (uint64_t)t->shape[0];
     }
-    uint64_t per_head = (uint64_t)hp->kv_lora * hp->qk_nope + 4 * (uint64_t)hp->kv_lora +
-                        (uint64_t)hp->v_head * hp->kv_lora + 4 * (uint64_t)hp->v_head +
-                        (kv_b_rows ? (uint64_t)hp->qk_nope * hp->kv_lora + 4 * (uint64_t)hp->qk_nope : 0);
+    uint64_t per_head = gl_q8_bytes(hp->kv_lora, hp->qk_nope) + 4 * (uint64_t)hp->kv_lora +
+                        gl_q8_bytes(hp->v_head, hp->kv_lora) + 4 * (uint64_t)hp->v_head +
+                        (kv_b_rows ? gl_q8_bytes(hp->qk_nope, hp->kv_lora) + 4 * (uint64_t)hp->qk_nope : 0);
     copies += (uint64_t)(hp->n_layers + hp->n_mtp) * hp->n_heads * per_head;
     cm384_model_info in;
     memset(&in, 0, sizeof in);
