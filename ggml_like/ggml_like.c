@@ -242,12 +242,20 @@ static void scalar_matmul_q8(const gl_mat *w, const int8_t *xq, const float *xsc
 }
 
 void gl_q8_pack_rows(const int8_t *src, int ld, int rows, int cols, int r0, int r1, int8_t *q) {
-    const int c4 = gl_q8_cols4(cols);
-    for (int r = r0; r < r1; r++)
-        for (int c = 0; c < c4; c++) q[gl_q8_at(cols, r, c)] = c < cols ? src[(size_t)(r - r0) * ld + c] : 0;
-    if (r1 == rows)
-        for (int r = rows; r % GL_Q8_PANEL; r++)
-            for (int c = 0; c < c4; c++) q[gl_q8_at(cols, r, c)] = 0;
+    const int G = gl_q8_cols4(cols) / 4, whole = cols / 4;
+    const size_t pb = gl_q8_panel_bytes(cols);
+    for (int r = r0; r < (r1 == rows ? (rows + GL_Q8_PANEL - 1) / GL_Q8_PANEL * GL_Q8_PANEL : r1); r++) {
+        int8_t *lane = q + (size_t)(r / GL_Q8_PANEL) * pb + (size_t)(r % GL_Q8_PANEL) * 4;   /* group 0 of row r */
+        const int8_t *row = r < r1 ? src + (size_t)(r - r0) * ld : NULL;
+        int g = 0;
+        if (r < r1)                          /* a padding row past r1 == rows is zeros */
+            for (; g < whole; g++) memcpy(lane + (size_t)g * 64, row + 4 * g, 4);
+        for (; g < G; g++) {                 /* the zero-padded last group (or a padding row) */
+            int8_t four[4] = {0, 0, 0, 0};
+            if (r < r1) memcpy(four, row + 4 * g, (size_t)(cols - 4 * g));
+            memcpy(lane + (size_t)g * 64, four, 4);
+        }
+    }
 }
 
 static void scalar_quantize_q8(const float *x, int n, int cols, int ldx, int8_t *q, int ldq, float *scale) {
@@ -265,10 +273,15 @@ static void scalar_quantize_q8(const float *x, int n, int cols, int ldx, int8_t 
     }
 }
 
+static void scalar_transpose(float *dst, int ldd, const float *src, int lds, int rows, int cols) {
+    for (int c = 0; c < cols; c++)          /* writes in order, reads the rows in step */
+        for (int r = 0; r < rows; r++) dst[(size_t)c * ldd + r] = src[(size_t)r * lds + c];
+}
+
 static const gl_kernels gl_scalar_kernels = {
     "scalar", scalar_matmul, scalar_matmul_q8, scalar_quantize_q8, scalar_dot, scalar_axpy, scalar_axpy_rows,
     scalar_axpy_rows_n, scalar_exp_sum, scalar_silu_mul, scalar_dot_rows_t, scalar_dot_rows_t_bf16,
-    scalar_axpy_rows_n_bf16,
+    scalar_axpy_rows_n_bf16, scalar_transpose,
 };
 
 const gl_kernels *gl_kernels_scalar(void) { return &gl_scalar_kernels; }
