@@ -6554,9 +6554,9 @@ static void core_queries(op *o, int tile, int h0, int h1, int worker) {
     int H = hp->n_heads, lat_w = hp->kv_lora + hp->qk_rope, nq = s->tile_n[tile];
     float *dst = s->qt + (size_t)worker * CORE_TILE * H * lat_w;
     const float *src = s->qlat + (size_t)s->tile_row[tile] * H * lat_w;
-    for (int c = 0; c < lat_w; c++)          /* writes in order, reads nl rows in step */
-        for (int q = 0; q < nq; q++)
-            for (int h = h0; h < h1; h++) *dst++ = src[((size_t)q * H + h) * lat_w + c];
+    int nh = h1 - h0;
+    for (int q = 0; q < nq; q++)             /* dst[c][q][h - h0] = src[q][h][c] */
+        o->e->k->transpose(dst + (size_t)q * nh, nq * nh, src + ((size_t)q * H + h0) * lat_w, lat_w, nh, lat_w);
 }
 
 /* One lane of a tile over heads [h0, h1) (core_queries has laid them out):

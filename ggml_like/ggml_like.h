@@ -182,6 +182,9 @@ typedef struct gl_kernels {
                              int n);
     void  (*axpy_rows_n_bf16)(float *y, int ldy, const uint16_t *x, int ldx, const float *a, int lda, int nh, int m,
                               int n);
+    /* dst[c*ldd + r] = src[r*lds + c], r < rows, c < cols (exact: a copy).
+       The attention core lays its queries out this way for dot_rows_t. */
+    void  (*transpose)(float *dst, int ldd, const float *src, int lds, int rows, int cols);
 } gl_kernels;
 
 /* The best kernel set for this CPU (cpuid / hwcap probed once, then cached). */

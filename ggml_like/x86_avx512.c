@@ -1005,9 +1005,53 @@ static GL_A512 void a512_dot_rows_t(float *y, int ldy, const float *qt, int ldq,
     }
 }
 
+/* ---- transpose ----
+ * 16 x 16 blocks in registers: two rounds of unpacks transpose the 4 x 4
+ * blocks inside each 128-bit lane, two rounds of 128-bit shuffles the 4 x 4
+ * grid of those blocks (64 shuffles per 256 values, against 256 scalar
+ * loads and stores).  Edge blocks load and store masked. */
+GL_A512_INLINE void a512_transpose16(__m512 r[16]) {
+    __m512 a[16], b[16];
+    for (int i = 0; i < 16; i += 2) {
+        a[i] = _mm512_unpacklo_ps(r[i], r[i + 1]);
+        a[i + 1] = _mm512_unpackhi_ps(r[i], r[i + 1]);
+    }
+    for (int j = 0; j < 16; j += 4) {            /* b[j+m] lane k: element 4k+m of rows j..j+3 */
+        b[j] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a[j]), _mm512_castps_pd(a[j + 2])));
+        b[j + 1] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a[j]), _mm512_castps_pd(a[j + 2])));
+        b[j + 2] = _mm512_castpd_ps(_mm512_unpacklo_pd(_mm512_castps_pd(a[j + 1]), _mm512_castps_pd(a[j + 3])));
+        b[j + 3] = _mm512_castpd_ps(_mm512_unpackhi_pd(_mm512_castps_pd(a[j + 1]), _mm512_castps_pd(a[j + 3])));
+    }
+    for (int m = 0; m < 4; m++) {                /* lane k of b[4j+m] goes to lane j of r[4k+m] */
+        const __m512 c0 = _mm512_shuffle_f32x4(b[m], b[4 + m], 0x44), c1 = _mm512_shuffle_f32x4(b[m], b[4 + m], 0xee);
+        const __m512 c2 = _mm512_shuffle_f32x4(b[8 + m], b[12 + m], 0x44), c3 = _mm512_shuffle_f32x4(b[8 + m], b[12 + m], 0xee);
+        r[m] = _mm512_shuffle_f32x4(c0, c2, 0x88);
+        r[4 + m] = _mm512_shuffle_f32x4(c0, c2, 0xdd);
+        r[8 + m] = _mm512_shuffle_f32x4(c1, c3, 0x88);
+        r[12 + m] = _mm512_shuffle_f32x4(c1, c3, 0xdd);
+    }
+}
+
+static GL_A512 void a512_transpose(float *dst, int ldd, const float *src, int lds, int rows, int cols) {
+    for (int r0 = 0; r0 < rows; r0 += 16) {
+        const int nr = rows - r0 < 16 ? rows - r0 : 16;
+        const __mmask16 rm = a512_mask16(nr);
+        for (int c0 = 0; c0 < cols; c0 += 16) {
+            const int nc = cols - c0 < 16 ? cols - c0 : 16;
+            const __mmask16 cm = a512_mask16(nc);
+            __m512 v[16];
+            for (int i = 0; i < 16; i++)
+                v[i] = i < nr ? _mm512_maskz_loadu_ps(cm, src + (size_t)(r0 + i) * lds + c0) : _mm512_setzero_ps();
+            a512_transpose16(v);
+            for (int j = 0; j < nc; j++) _mm512_mask_storeu_ps(dst + (size_t)(c0 + j) * ldd + r0, rm, v[j]);
+        }
+    }
+}
+
 static const gl_kernels gl_avx512_kernels = {
     "avx512", a512_matmul, a512_matmul_q8, a512_quantize_q8, a512_dot, a512_axpy, a512_axpy_rows, a512_axpy_rows_n,
     a512_exp_sum, a512_silu_mul, a512_dot_rows_t, a512_dot_rows_t_bf16, a512_axpy_rows_n_bf16,
+    a512_transpose,
 };
 
 /* ---- opt-in: native BF16 dot products (AVX512_BF16) ----
@@ -1120,4 +1164,5 @@ static void a512bf_matmul(const gl_mat *w, const float *x, int n, int ldx, float
 static const gl_kernels gl_avx512_bf16_kernels = {
     "avx512_bf16", a512bf_matmul, a512_matmul_q8, a512_quantize_q8, a512_dot, a512_axpy, a512_axpy_rows,
     a512_axpy_rows_n, a512_exp_sum, a512_silu_mul, a512_dot_rows_t, a512_dot_rows_t_bf16, a512_axpy_rows_n_bf16,
+    a512_transpose,
 };

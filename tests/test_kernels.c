@@ -370,6 +370,25 @@ static void test_axpy_rows(const gl_kernels *k) {
  * same bits as computed here whatever m, nl or the lane's place in its
  * vector; the scalar set (plain multiply-adds) within rounding of it.  The
  * outputs' gaps (ldy > m) are left untouched. */
+/* transpose: every element to its place, nothing written outside the
+ * rows x cols block of dst (edges of 16 x 16 blocks in both directions). */
+static void test_transpose(const gl_kernels *k) {
+    static const int shapes[][2] = {{1, 1}, {16, 16}, {3, 40}, {16, 576}, {17, 33}, {64, 576}, {31, 5}};
+    for (size_t si = 0; si < sizeof shapes / sizeof shapes[0]; si++) {
+        int rows = shapes[si][0], cols = shapes[si][1], lds = cols + 3, ldd = rows + 5;
+        float *src = xmalloc((size_t)rows * lds * sizeof(float)), *dst = xmalloc((size_t)cols * ldd * sizeof(float));
+        for (size_t i = 0; i < (size_t)rows * lds; i++) src[i] = rng_unif();
+        for (size_t i = 0; i < (size_t)cols * ldd; i++) dst[i] = -7;
+        k->transpose(dst, ldd, src, lds, rows, cols);
+        int bad = 0;
+        for (int c = 0; c < cols; c++)
+            for (int r = 0; r < ldd; r++)
+                bad += f2u(dst[(size_t)c * ldd + r]) != f2u(r < rows ? src[(size_t)r * lds + c] : -7.0f);
+        check(!bad, "%s: transpose %dx%d: %d values wrong", k->name, rows, cols, bad);
+        free(src); free(dst);
+    }
+}
+
 static void test_dot_rows_t(const gl_kernels *k) {
     static const int ns[] = {1, 19, 576}, ms[] = {1, 4, 5, 16, 19, 33}, nls[] = {1, 5, 16, 17, 40, 64, 80, 130};
     const int simd = strcmp(k->name, "scalar") != 0;
@@ -1063,6 +1082,7 @@ int main(int argc, char **argv) {
         test_dot_axpy(sets[s]);
         test_axpy_rows(sets[s]);
         test_dot_rows_t(sets[s]);
+        test_transpose(sets[s]);
         test_bf16_rows(sets[s]);
         test_exp_silu(sets[s]);
         test_matmul_vs_scalar(sets[s]);
