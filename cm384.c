@@ -5806,7 +5806,7 @@ static void mm_chunk_task(void *ctx, int arg, int c, int worker) {
 #define SMALL_WORK_BYTES (256u << 10)
 #define SMALL_TASK_MACS (4u << 20)    /* a prefill task beside decode: ~0.2-0.5 ms on a core */
 #define SMALL_TASK_TOKENS 64        /* ... and its tokens, when the products allow it */
-#define SMALL_TASK_PACKED 32        /* ... and at least these (the packed W8A8 panels' threshold, A512_PK_MIN) */
+#define SMALL_TASK_PACKED 32        /* ... and at least these: a W8A8 task's weights serve 32+ tokens */
 
 /* Adds job jb (which must stay alive until the region has run). */
 static void region_add_mm(region *rg, int n_workers, mm_job *jb, int device) {
@@ -5836,12 +5836,13 @@ static void region_add_mm(region *rg, int n_workers, mm_job *jb, int device) {
        tokens too (each row's result is the same whatever batch it is in) */
     size_t macs = (size_t)chunk * jb->w->cols * (size_t)jb->n;
     if (rg->small_tasks && macs > SMALL_TASK_MACS) {
-        /* fewer rows before fewer tokens: a W8A8 product of SMALL_TASK_PACKED+
-           tokens runs on packed weight panels, up to twice as fast per
-           product as the tiles fewer tokens get -- so the rows go down to
-           64 (one packed panel) before the tokens go under all of them, or
-           SMALL_TASK_TOKENS (an expert's 48 tokens had been cut to 12-16:
-           half of V2-Lite-4's prefill products ran on the tiles) */
+        /* fewer rows before fewer tokens: the rows go down to 64 (4 of
+           GL_Q8's panels, one avx512 tile) before the tokens go under all
+           of them, or SMALL_TASK_TOKENS, so that each weight read serves
+           many tokens.  (Measured when fewer than 32 tokens fell to slower
+           row-major tiles: an expert's 48 tokens had been cut to 12-16; the
+           weights are now always in panels, and the rule keeps an expert's
+           tokens together.) */
         int want = jb->n < SMALL_TASK_TOKENS ? jb->n : SMALL_TASK_TOKENS;
         size_t budget = jb->n >= SMALL_TASK_TOKENS ? 2 * (size_t)SMALL_TASK_MACS : SMALL_TASK_MACS;
         if (chunk > 64 && (size_t)chunk * jb->w->cols * want > budget) {
@@ -5855,8 +5856,7 @@ static void region_add_mm(region *rg, int n_workers, mm_job *jb, int device) {
         }
         size_t per = (size_t)chunk * jb->w->cols;
         int t = (int)(budget / (per ? per : 1));
-        /* up to twice the budget to reach the packed panels: they run it
-           in about the time the tiles take for the budget */
+        /* up to twice the budget to reach SMALL_TASK_PACKED tokens */
         if (t < SMALL_TASK_PACKED && jb->n >= SMALL_TASK_PACKED && per * SMALL_TASK_PACKED <= 2 * budget) t = SMALL_TASK_PACKED;
         t = t < 4 ? 4 : t & ~3;
         if (t < jb->n) jb->tok_chunk = t;
@@ -9656,8 +9656,8 @@ static int prefill_round(struct cm384_engine *e, peer *P) {
         /* short tasks only while some request is past prefill (decoding,
            or being loaded): with none, no decode step can want a worker
            before this step ends, and whole products run faster (V2-Lite-4
-           INT8 prefill 1,274 -> 1,431 tok/s: the W8A8 panels are packed
-           once per task, and short tasks cut an expert's tokens) */
+           INT8 prefill 1,274 -> 1,431 tok/s, when the W8A8 panels were
+           still packed once per task; short tasks cut an expert's tokens) */
         int mine = 0;
         for (int i = 0; i < P->n_run; i++) mine += P->run[i]->in_batch;
         pthread_mutex_lock(&e->mu);
