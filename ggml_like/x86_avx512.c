@@ -344,6 +344,9 @@ GL_A512_INLINE void a512_dpbusd(__m512i *acc, __m512i w, __m512i x) {
 #define A512_Q8_PF 4096    /* prefetch distance streaming from DRAM, bytes */
 
 static inline int32_t a512_load_i32(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return v; }
+/* The first nb (< 4) bytes at p, zero-padded: a token's last, partial group
+ * (never read past its cols). */
+static inline int32_t a512_load_i32_part(const int8_t *p, int nb) { int32_t v = 0; memcpy(&v, p, (size_t)nb); return v; }
 
 /* Rows [16P, 16P+16) clipped to [r0, r1): the lanes a panel stores. */
 GL_A512_INLINE __mmask16 a512_rows_mask(int P, int r0, int r1) {
@@ -392,11 +395,10 @@ GL_A512_INLINE void a512_q8_dot_tail(const int8_t *const wp[4], int cols, const 
                                      __m512i acc[4][A512_Q8_NT]) {
     const int G = cols / 4, rem = cols - 4 * G;
     if (!rem) return;
-    int8_t tail[A512_Q8_NT][4];
-    memset(tail, 0, sizeof tail);
-    for (int t = 0; t < nt; t++) memcpy(tail[t], xq + (size_t)t * ldx + 4 * (size_t)G, (size_t)rem);
+    int32_t tail[A512_Q8_NT];
+    for (int t = 0; t < nt; t++) tail[t] = a512_load_i32_part(xq + (size_t)t * ldx + 4 * (size_t)G, rem);
     const int8_t *wt[4] = {wp[0] + 64 * (size_t)G, wp[1] + 64 * (size_t)G, wp[2] + 64 * (size_t)G, wp[3] + 64 * (size_t)G};
-    a512_q8_dot(wt, 1, &tail[0][0], 4, nt, acc, 0);
+    a512_q8_dot(wt, 1, (const int8_t *)tail, 4, nt, acc, 0);
 }
 
 /* Tokens [0, nt) x the 4 panels from P (those past the last one P1 repeat
@@ -511,11 +513,8 @@ GL_A512_INLINE void a512_q8_panelwise(const gl_mat *w, int nt, const int8_t *xq,
         const int rem = w->cols - 4 * G;
         if (rem) {                             /* the last, partial group */
             const __m512i wv = _mm512_xor_si512(_mm512_loadu_si512(wp + 64 * (size_t)G), flip);
-            for (int t = 0; t < nt; t++) {
-                int32_t four = 0;
-                memcpy(&four, xq + (size_t)t * ldx + 4 * (size_t)G, (size_t)rem);
-                a512_dpbusd(&a[t][0], wv, _mm512_set1_epi32(four));
-            }
+            for (int t = 0; t < nt; t++)
+                a512_dpbusd(&a[t][0], wv, _mm512_set1_epi32(a512_load_i32_part(xq + (size_t)t * ldx + 4 * (size_t)G, rem)));
         }
         const __mmask16 m = a512_rows_mask(P, r0, r1);
         for (int t = 0; t < nt; t++) {
