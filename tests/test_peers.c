@@ -269,12 +269,14 @@ static void pe_arrivals(cm384_model *m) {
                    ts ? "time-shared loop" : "peers", preset, same, ND + NL,
                    (unsigned long long)st.prefill_steps, (unsigned long long)st.decode_steps,
                    (unsigned long long)st.decode_steps_in_prefill, (long long)short_steps);
-            /* short tasks exactly while a request decodes: the long prompts'
-               steps, not the first one (nothing decoding yet); never in the
-               time-shared loop, where no decode step can wait on them */
+            /* short tasks exactly while a request decodes: a long prompt's
+               step beside the decoders (the first arrives while they all
+               decode; the last may find them finished, so not all NL), never
+               the first step (nothing decoding yet) nor in the time-shared
+               loop, where no decode step can wait on them */
             if (ts) CHECK(short_steps == 0, "time-shared: %lld prefill steps cut into short tasks", (long long)short_steps);
-            else CHECK(short_steps >= NL && short_steps < (int64_t)st.prefill_steps,
-                       "peers (%s): %lld of %llu prefill steps as short tasks (want the %d long prompts', not the first)",
+            else CHECK(short_steps >= 1 && short_steps < (int64_t)st.prefill_steps,
+                       "peers (%s): %lld of %llu prefill steps as short tasks (want some of the %d long prompts', not the first)",
                        preset, (long long)short_steps, (unsigned long long)st.prefill_steps, NL);
             CHECK(same == ND + NL && finals == ND + NL, "%s: %d/%d identical, %d single finals", preset, same, ND + NL, finals);
             if (ts) CHECK(st.decode_steps_in_prefill == 0, "time-shared: a decode step ran inside a prefill step");
