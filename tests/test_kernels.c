@@ -711,9 +711,8 @@ static void test_bf16_native(const gl_kernels *k) {
  * rows that are no multiple of 64, columns no multiple of 512 (or of 64),
  * token counts across blocks, a row range starting off a panel, and rows of
  * all -128 with activations of +-127 (the extremes of the offset sums). */
-static void test_q8_panels(const gl_kernels *k, const char *what, const int colss[4], const int ns[3]) {
+static void test_q8_panels_rows(const gl_kernels *k, const char *what, const int colss[4], const int ns[3], const int rowss[3]) {
     const gl_kernels *s = gl_kernels_scalar();
-    static const int rowss[] = {16, 61, 130};
     for (size_t ci = 0; ci < 4; ci++)
         for (size_t ri = 0; ri < 3; ri++) {
             int cols = colss[ci], rows = rowss[ri], n = ns[(ci + ri) % 3], ldx = cols + 8, ldy = rows + 5;
@@ -722,7 +721,10 @@ static void test_q8_panels(const gl_kernels *k, const char *what, const int cols
             if (ri == 2) {   /* extremes */
                 for (int c = 0; c < cols; c++) t.q8rows[c] = -128;
                 gl_q8_pack_rows(t.q8rows, cols, rows, cols, 0, 1, t.data);
-                for (int c = 0; c < cols; c++) a.xq[c] = 127, a.xq[ldx + c] = -127;
+                for (int c = 0; c < cols; c++) {
+                    a.xq[c] = 127;
+                    if (n > 1) a.xq[ldx + c] = -127;
+                }
             }
             float *y = xmalloc((size_t)n * ldy * sizeof(float)), *ys = xmalloc((size_t)n * ldy * sizeof(float));
             int r0 = ri == 1 ? 3 : 0;    /* a row range that starts off a panel */
@@ -736,17 +738,29 @@ static void test_q8_panels(const gl_kernels *k, const char *what, const int cols
         }
 }
 
+static void test_q8_panels(const gl_kernels *k, const char *what, const int colss[4], const int ns[3]) {
+    static const int rowss[] = {16, 61, 130};
+    test_q8_panels_rows(k, what, colss, ns, rowss);
+}
+
 static void test_q8_short(const gl_kernels *k) {
     static const int colss[] = {4, 128, 132, 512}, ns[] = {5, 23, 60};   /* 60: panels at 512 columns too */
     test_q8_panels(k, "short rows", colss, ns);
 }
 
-/* Few tokens, below the packed panels: 4x4 tiles whose last one has 2 or 3
- * tokens (their sums reduced with the missing tokens as zeros, only the
- * real ones stored), and rows of 1 KB+ at n = 2 one at a time. */
+/* Few tokens, uneven counts and columns (avx512: tokens interleaved, one
+ * panel at a time, 1-4 sums a token). */
 static void test_q8_tiles(const gl_kernels *k) {
     static const int colss[] = {64, 129, 700, 1412}, ns[] = {2, 3, 11};
     test_q8_panels(k, "few tokens", colss, ns);
+}
+
+/* Up to 16 tokens on matrices over 128 KB, at the edge of avx512's
+ * interleaved tokens (32 KB on the stack): 16 x 2048 columns just fit,
+ * 16 x 2052 and 1 x 33000 go to the tiles instead. */
+static void test_q8_stream(const gl_kernels *k) {
+    static const int colss[] = {4, 2047, 2052, 33000}, ns[] = {1, 7, 16}, rowss[] = {77, 130, 257};
+    test_q8_panels_rows(k, "up to 16 tokens", colss, ns, rowss);
 }
 
 static void test_q8_long(const gl_kernels *k) {
@@ -1089,6 +1103,7 @@ int main(int argc, char **argv) {
         test_q8_extremes(sets[s]);
         test_q8_short(sets[s]);
         test_q8_tiles(sets[s]);
+        test_q8_stream(sets[s]);
         test_q8_long(sets[s]);
         test_invariance(sets[s], pool2, pool4);
         test_qmatmul(sets[s]);
