@@ -335,10 +335,10 @@ GL_A512_INLINE void a512_dpbusd(__m512i *acc, __m512i w, __m512i x) {
  * every 6 tokens over the 4 panels while they sit in L1; longer rows with
  * more tokens take the columns a slice of A512_Q8_KC at a time (the 4
  * panels' slice, 32 KB, stays in L1 while every 6 tokens of a block pass
- * over it) and keep the block's sums on the stack between slices.  Up to 16
- * tokens (decode) on a matrix that comes from memory go a panel at a time
- * (a512_q8_stream): a panel is one sequential run of bytes, which the
- * prefetchers stream faster than four side by side. */
+ * over it) and keep the block's sums on the stack between slices.  One or
+ * two tokens (decode) go a panel at a time, and so do 3-16 on a matrix that
+ * comes from memory (a512_q8_stream): a panel is one sequential run of
+ * bytes, which the prefetchers stream faster than four side by side. */
 #define A512_Q8_NT 6       /* tokens per tile                        */
 #define A512_Q8_KC 512     /* columns per slice, many tokens         */
 #define A512_Q8_KNT 96     /* tokens whose sums wait on the stack    */
@@ -483,6 +483,48 @@ GL_A512_INLINE void a512_q8_sliced(const gl_mat *w, int n, const int8_t *xq, int
     }
 }
 
+/* One or two tokens, a panel at a time (one sequential run of bytes); four
+ * sums a token over alternate groups, so no vpdpbusd waits on the last. */
+GL_A512_INLINE void a512_q8_panelwise(const gl_mat *w, int nt, const int8_t *xq, int ldx, const int32_t *xsum,
+                                      const float *xs, int r0, int r1, float *y, int ldy) {
+    const __m512i flip = _mm512_set1_epi8((char)0x80);
+    const size_t ps = gl_q8_panel_bytes(w->cols);
+    const int G = w->cols / 4, G4 = G & ~3;
+    for (int P = r0 / 16; 16 * P < r1; P++) {
+        const int8_t *wp = (const int8_t *)w->data + (size_t)P * ps;
+        __m512i a[2][4];
+        for (int t = 0; t < 2; t++)
+            for (int j = 0; j < 4; j++) a[t][j] = _mm512_setzero_si512();
+        int g = 0;
+        for (; g < G4; g += 4) {
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) _mm_prefetch((const char *)((uintptr_t)(wp + 64 * (size_t)(g + j)) + A512_Q8_PF), _MM_HINT_NTA);
+#pragma GCC unroll 4
+            for (int j = 0; j < 4; j++) {
+                const __m512i wv = _mm512_xor_si512(_mm512_loadu_si512(wp + 64 * (size_t)(g + j)), flip);
+                a512_dpbusd(&a[0][j], wv, _mm512_set1_epi32(a512_load_i32(xq + 4 * (size_t)(g + j))));
+                if (nt > 1) a512_dpbusd(&a[1][j], wv, _mm512_set1_epi32(a512_load_i32(xq + ldx + 4 * (size_t)(g + j))));
+            }
+        }
+        for (; g < G; g++) {
+            const __m512i wv = _mm512_xor_si512(_mm512_loadu_si512(wp + 64 * (size_t)g), flip);
+            a512_dpbusd(&a[0][0], wv, _mm512_set1_epi32(a512_load_i32(xq + 4 * (size_t)g)));
+            if (nt > 1) a512_dpbusd(&a[1][0], wv, _mm512_set1_epi32(a512_load_i32(xq + ldx + 4 * (size_t)g)));
+        }
+        const int rem = w->cols - 4 * G;
+        if (rem) {                             /* the last, partial group */
+            const __m512i wv = _mm512_xor_si512(_mm512_loadu_si512(wp + 64 * (size_t)G), flip);
+            for (int t = 0; t < nt; t++)
+                a512_dpbusd(&a[t][0], wv, _mm512_set1_epi32(a512_load_i32_part(xq + (size_t)t * ldx + 4 * (size_t)G, rem)));
+        }
+        const __mmask16 m = a512_rows_mask(P, r0, r1);
+        for (int t = 0; t < nt; t++) {
+            const __m512i sum = _mm512_add_epi32(_mm512_add_epi32(a[t][0], a[t][1]), _mm512_add_epi32(a[t][2], a[t][3]));
+            a512_q8_store(sum, xsum[t], xs[t], w->scale + 16 * P, m, y + (size_t)t * ldy + 16 * P);
+        }
+    }
+}
+
 /* acc += w . (token's 4 bytes at p, broadcast): the broadcast folded into
  * the vpdpbusd as its memory operand, so streaming one panel past many
  * tokens costs no shuffle per product. */
@@ -495,13 +537,18 @@ GL_A512_INLINE void a512_dpbusd_b4(__m512i *acc, __m512i w, const int8_t *p) {
 #endif
 }
 
-/* Up to A512_Q8_STREAM_NT tokens (decode), a panel at a time: a panel is
- * one sequential run of bytes, which the prefetchers stream faster than
- * four side by side, and each 64-byte group feeds every token.  The tokens
- * come interleaved, xt[g * nt + t] = token t's group g (zero-padded like
- * the weights), so one pointer reaches them all.  C sums a token over
- * alternate groups, so that about ten vpdpbusd are in flight whatever nt
- * is (their latency would otherwise bound a few tokens). */
+/* 3 to A512_Q8_STREAM_NT tokens (a decode batch's few per expert), a panel
+ * at a time as a512_q8_panelwise: a panel is one sequential run of bytes,
+ * which the prefetchers stream faster than four side by side, and each
+ * 64-byte group feeds every token.  The tokens
+ * come interleaved, xt[g * ntp + t] = token t's group g (zero-padded like
+ * the weights; tokens nt .. ntp-1 are zeros), so one pointer reaches them
+ * all.  C sums a token over alternate groups, so that about ten vpdpbusd
+ * are in flight whatever nt is (their latency would otherwise bound a few
+ * tokens).  TMAX and C are constants where it is called: the sums stay in
+ * registers, and 3-16 tokens share three copies of the loop (ntp a
+ * multiple of 4 up to TMAX: the padding's products are free while the
+ * weights stream in). */
 #define A512_Q8_STREAM_NT 16
 #define A512_Q8_STREAM_BYTES 32768   /* the interleaved tokens, on the stack */
 /* ... but 3-16 tokens on a matrix this small (a head's absorbed product,
@@ -509,51 +556,61 @@ GL_A512_INLINE void a512_dpbusd_b4(__m512i *acc, __m512i w, const int8_t *p) {
  * share each broadcast token among 4 panels: 512x128 and 128x512 from L1/L2,
  * 3-16 tokens, 10-35% more GOP/s than one panel at a time */
 #define A512_Q8_CACHED_BYTES (128u << 10)
-GL_A512_INLINE void a512_q8_stream(const gl_mat *w, const int nt, const int8_t *xt, const int32_t *xsum,
-                                   const float *xs, int r0, int r1, float *y, int ldy) {
-    const int C = nt <= 3 ? 4 : nt <= 8 ? 2 : 1;
+GL_A512_INLINE void a512_q8_stream(const gl_mat *w, const int C, const int TMAX, int ntp, int nt, const int8_t *xt,
+                                   const int32_t *xsum, const float *xs, int r0, int r1, float *y, int ldy) {
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     const size_t ps = gl_q8_panel_bytes(w->cols);
     const int G = gl_q8_cols4(w->cols) / 4, GC = G - G % C;
     for (int P = r0 / 16; 16 * P < r1; P++) {
         const int8_t *wp = (const int8_t *)w->data + (size_t)P * ps;
-        __m512i a[A512_Q8_STREAM_NT];          /* token t's sum over chain j: a[j * nt + t] */
+        __m512i a[A512_Q8_STREAM_NT];          /* token t's sum over chain j: a[j * TMAX + t] */
 #pragma GCC unroll 16
-        for (int i = 0; i < C * nt; i++) a[i] = _mm512_setzero_si512();
+        for (int i = 0; i < C * TMAX; i++) a[i] = _mm512_setzero_si512();
         int g = 0;
         for (; g < GC; g += C) {
 #pragma GCC unroll 4
             for (int j = 0; j < C; j++) {
                 _mm_prefetch((const char *)((uintptr_t)(wp + 64 * (size_t)(g + j)) + A512_Q8_PF), _MM_HINT_NTA);
                 const __m512i wv = _mm512_xor_si512(_mm512_loadu_si512(wp + 64 * (size_t)(g + j)), flip);
+                const int8_t *xg = xt + 4 * (size_t)(g + j) * ntp;
 #pragma GCC unroll 16
-                for (int t = 0; t < nt; t++) a512_dpbusd_b4(&a[j * nt + t], wv, xt + 4 * ((size_t)(g + j) * nt + t));
+                for (int t = 0; t < TMAX; t++) {
+                    if (TMAX > 4 && t % 4 == 0 && t >= ntp) break;   /* one test a chunk of 4 */
+                    a512_dpbusd_b4(&a[j * TMAX + t], wv, xg + 4 * t);
+                }
             }
         }
         for (; g < G; g++) {
             const __m512i wv = _mm512_xor_si512(_mm512_loadu_si512(wp + 64 * (size_t)g), flip);
+            const int8_t *xg = xt + 4 * (size_t)g * ntp;
 #pragma GCC unroll 16
-            for (int t = 0; t < nt; t++) a512_dpbusd_b4(&a[t], wv, xt + 4 * ((size_t)g * nt + t));
+            for (int t = 0; t < TMAX; t++) {
+                if (TMAX > 4 && t % 4 == 0 && t >= ntp) break;
+                a512_dpbusd_b4(&a[t], wv, xg + 4 * t);
+            }
         }
         const __mmask16 m = a512_rows_mask(P, r0, r1);
 #pragma GCC unroll 16
-        for (int t = 0; t < nt; t++) {
+        for (int t = 0; t < TMAX && t < nt; t++) {
             __m512i sum = a[t];
 #pragma GCC unroll 4
-            for (int j = 1; j < C; j++) sum = _mm512_add_epi32(sum, a[j * nt + t]);
+            for (int j = 1; j < C; j++) sum = _mm512_add_epi32(sum, a[j * TMAX + t]);
             a512_q8_store(sum, xsum[t], xs[t], w->scale + 16 * P, m, y + (size_t)t * ldy + 16 * P);
         }
     }
 }
 
-/* xt[g * nt + t] = token t's bytes 4g..4g+3 (zero past cols). */
-GL_A512_INLINE void a512_q8_interleave(const int8_t *xq, int nt, int ldx, int cols, int32_t *xt) {
+/* xt[g * ntp + t] = token t's bytes 4g..4g+3 (zero past cols, and for the
+ * padding tokens nt .. ntp-1). */
+GL_A512_INLINE void a512_q8_interleave(const int8_t *xq, int nt, int ntp, int ldx, int cols, int32_t *xt) {
     const int G = gl_q8_cols4(cols) / 4, whole = cols / 4;
     for (int t = 0; t < nt; t++) {
         const int8_t *xr = xq + (size_t)t * ldx;
-        for (int g = 0; g < whole; g++) xt[(size_t)g * nt + t] = a512_load_i32(xr + 4 * g);
-        if (whole < G) xt[(size_t)whole * nt + t] = a512_load_i32_part(xr + 4 * whole, cols - 4 * whole);
+        for (int g = 0; g < whole; g++) xt[(size_t)g * ntp + t] = a512_load_i32(xr + 4 * g);
+        if (whole < G) xt[(size_t)whole * ntp + t] = a512_load_i32_part(xr + 4 * whole, cols - 4 * whole);
     }
+    for (int t = nt; t < ntp; t++)
+        for (int g = 0; g < G; g++) xt[(size_t)g * ntp + t] = 0;
 }
 
 static GL_A512 void a512_matmul_q8(const gl_mat *w, const int8_t *xq, const float *xscale, int n, int ldx,
@@ -567,20 +624,16 @@ static GL_A512 void a512_matmul_q8(const gl_mat *w, const int8_t *xq, const floa
         float *yb = y + (size_t)i0 * ldy;
         a512_xsums(xb, ni, ldx, w->cols, xsum);
         const size_t wbytes = (size_t)w->rows * gl_q8_cols4(w->cols);
-        if ((ni <= 2 || (ni <= A512_Q8_STREAM_NT && wbytes > A512_Q8_CACHED_BYTES)) &&
-            (size_t)ni * gl_q8_cols4(w->cols) <= A512_Q8_STREAM_BYTES) {
+        const int ntp = (ni + 3) & ~3;                  /* tokens interleaved, with the padding */
+        if (ni <= 2) a512_q8_panelwise(w, ni, xb, ldx, xsum, xs, r0, r1, yb, ldy);
+        else if (ni <= A512_Q8_STREAM_NT && wbytes > A512_Q8_CACHED_BYTES &&
+                 (size_t)ntp * gl_q8_cols4(w->cols) <= A512_Q8_STREAM_BYTES) {
             _Alignas(64) int32_t xt[A512_Q8_STREAM_BYTES / 4];
-            a512_q8_interleave(xb, ni, ldx, w->cols, xt);
-#define A512_Q8_STREAM(k) a512_q8_stream(w, k, (const int8_t *)xt, xsum, xs, r0, r1, yb, ldy)
-            switch (ni) {
-            case 1: A512_Q8_STREAM(1); break;   case 2: A512_Q8_STREAM(2); break;   case 3: A512_Q8_STREAM(3); break;
-            case 4: A512_Q8_STREAM(4); break;   case 5: A512_Q8_STREAM(5); break;   case 6: A512_Q8_STREAM(6); break;
-            case 7: A512_Q8_STREAM(7); break;   case 8: A512_Q8_STREAM(8); break;   case 9: A512_Q8_STREAM(9); break;
-            case 10: A512_Q8_STREAM(10); break; case 11: A512_Q8_STREAM(11); break; case 12: A512_Q8_STREAM(12); break;
-            case 13: A512_Q8_STREAM(13); break; case 14: A512_Q8_STREAM(14); break; case 15: A512_Q8_STREAM(15); break;
-            default: A512_Q8_STREAM(16); break;
-            }
-#undef A512_Q8_STREAM
+            a512_q8_interleave(xb, ni, ntp, ldx, w->cols, xt);
+            const int8_t *x8 = (const int8_t *)xt;
+            if (ni <= 4) a512_q8_stream(w, 4, 4, 4, ni, x8, xsum, xs, r0, r1, yb, ldy);
+            else if (ni <= 8) a512_q8_stream(w, 2, 8, ntp, ni, x8, xsum, xs, r0, r1, yb, ldy);
+            else a512_q8_stream(w, 1, 16, ntp, ni, x8, xsum, xs, r0, r1, yb, ldy);
         } else if (ni <= A512_Q8_NT || w->cols <= A512_Q8_KC) {   /* whole rows, the sums in registers */
             const int P1 = (r1 + 15) / 16;
             for (int P = r0 / 16; P < P1; P += 4)

@@ -748,16 +748,17 @@ static void test_q8_short(const gl_kernels *k) {
     test_q8_panels(k, "short rows", colss, ns);
 }
 
-/* Few tokens, uneven counts and columns (avx512: tokens interleaved, one
- * panel at a time, 1-4 sums a token). */
+/* Few tokens: uneven counts and columns, rows of 1 KB+ at n = 2 (avx512:
+ * one panel at a time). */
 static void test_q8_tiles(const gl_kernels *k) {
     static const int colss[] = {64, 129, 700, 1412}, ns[] = {2, 3, 11};
     test_q8_panels(k, "few tokens", colss, ns);
 }
 
-/* Up to 16 tokens on matrices over 128 KB, at the edge of avx512's
- * interleaved tokens (32 KB on the stack): 16 x 2048 columns just fit,
- * 16 x 2052 and 1 x 33000 go to the tiles instead. */
+/* 1-16 tokens on matrices over 128 KB, at the edge of avx512's
+ * interleaved tokens (32 KB on the stack, padded to 4 tokens): 16 x 2048
+ * columns just fit, 16 x 2052 goes to the tiles instead; and one token on
+ * 33000 columns. */
 static void test_q8_stream(const gl_kernels *k) {
     static const int colss[] = {4, 2047, 2052, 33000}, ns[] = {1, 7, 16}, rowss[] = {77, 130, 257};
     test_q8_panels_rows(k, "up to 16 tokens", colss, ns, rowss);
