@@ -528,10 +528,9 @@ GL_A512_INLINE void a512_q8_panelwise(const gl_mat *w, int nt, const int8_t *xq,
 /* acc += w . (token's 4 bytes at p, broadcast): the broadcast folded into
  * the vpdpbusd as its memory operand, so streaming one panel past many
  * tokens costs no shuffle per product. */
-typedef struct { int8_t b[4]; } a512_bytes4;
 GL_A512_INLINE void a512_dpbusd_b4(__m512i *acc, __m512i w, const int8_t *p) {
 #if defined(__GNUC__) && !defined(__clang__)
-    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(*acc) : "v"(w), "m"(*(const a512_bytes4 *)p));
+    __asm__("vpdpbusd %2%{1to16%}, %1, %0" : "+v"(*acc) : "v"(w), "m"(*(const int8_t (*)[4])p));
 #else
     *acc = _mm512_dpbusd_epi32(*acc, w, _mm512_set1_epi32(a512_load_i32(p)));
 #endif
@@ -540,15 +539,14 @@ GL_A512_INLINE void a512_dpbusd_b4(__m512i *acc, __m512i w, const int8_t *p) {
 /* 3 to A512_Q8_STREAM_NT tokens (a decode batch's few per expert), a panel
  * at a time as a512_q8_panelwise: a panel is one sequential run of bytes,
  * which the prefetchers stream faster than four side by side, and each
- * 64-byte group feeds every token.  The tokens
- * come interleaved, xt[g * ntp + t] = token t's group g (zero-padded like
- * the weights; tokens nt .. ntp-1 are zeros), so one pointer reaches them
- * all.  C sums a token over alternate groups, so that about ten vpdpbusd
- * are in flight whatever nt is (their latency would otherwise bound a few
- * tokens).  TMAX and C are constants where it is called: the sums stay in
- * registers, and 3-16 tokens share three copies of the loop (ntp a
- * multiple of 4 up to TMAX: the padding's products are free while the
- * weights stream in). */
+ * 64-byte group feeds every token.  The tokens come interleaved,
+ * xt[g * ntp + t] = token t's group g (zero-padded like the weights;
+ * tokens nt .. ntp-1 are zeros), so one pointer reaches them all.  C sums a
+ * token over alternate groups, so that about ten vpdpbusd are in flight
+ * whatever nt is (their latency would otherwise bound a few tokens).  TMAX
+ * and C are constants where it is called: the sums stay in registers, and
+ * 3-16 tokens share three copies of the loop (ntp a multiple of 4 up to
+ * TMAX: the padding's products are free while the weights stream in). */
 #define A512_Q8_STREAM_NT 16
 #define A512_Q8_STREAM_BYTES 32768   /* the interleaved tokens, on the stack */
 /* ... but 3-16 tokens on a matrix this small (a head's absorbed product,
