@@ -178,12 +178,15 @@ static void gl_block_to_f32(int type, const uint8_t *b, float *out) {
     }
 }
 
-/* Columns [c0, c0+nc) of a row, block-aligned. */
+#if defined(GL_HAVE_AVX2) || defined(GL_HAVE_NEON)
+/* Columns [c0, c0+nc) of a row, block-aligned (the SIMD sets' way for the
+ * types they have no kernel of their own for). */
 static void gl_qrow_span_scalar(int type, const uint8_t *row, int c0, int nc, float *out) {
     int bs = gl_type_block(type);
     size_t bb = gl_block_bytes(type);
     for (int c = 0; c < nc; c += bs) gl_block_to_f32(type, row + (size_t)((c0 + c) / bs) * bb, out + c);
 }
+#endif
 
 void gl_qrow_to_f32(const gl_mat *w, int r, float *out) { gl_qrow_range_to_f32(w, r, 0, w->cols, out); }
 

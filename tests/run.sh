@@ -183,6 +183,8 @@ fi
 step "gcc -Wall -Wextra -Werror -O1 tests/main.c" gcc -std=c11 -O1 -Wall -Wextra -Werror -pthread -c tests/main.c -o /dev/null
 if command -v clang >/dev/null 2>&1; then
     step "clang -Wall -Wextra -Werror tests/main.c" clang -std=c11 -Wall -Wextra -Werror -pthread -fsyntax-only tests/main.c
+    # without the SIMD sets, as the fuzz build compiles it
+    step "clang -Wall -Wextra -Werror -DGL_NO_SIMD cm384.c" clang -std=c11 -Wall -Wextra -Werror -DGL_NO_SIMD -pthread -fsyntax-only cm384.c
 fi
 if command -v c++ >/dev/null 2>&1; then
     step "cm384.h compiles as C++" c++ -fsyntax-only -Wall -Wextra -x c++ cm384.h
