@@ -757,8 +757,8 @@ static void test_q8_tiles(const gl_kernels *k) {
 
 /* 1-16 tokens on matrices over 128 KB, at the edge of avx512's
  * interleaved tokens (32 KB on the stack, padded to 4 tokens): 16 x 2048
- * columns just fit, 16 x 2052 goes to the tiles instead; and one token on
- * 33000 columns. */
+ * columns just fit, 16 x 2052 goes to the 4-panel slices instead; and 1-16
+ * tokens on 33000 columns. */
 static void test_q8_stream(const gl_kernels *k) {
     static const int colss[] = {4, 2047, 2052, 33000}, ns[] = {1, 7, 16}, rowss[] = {77, 130, 257};
     test_q8_panels_rows(k, "up to 16 tokens", colss, ns, rowss);
