@@ -33,10 +33,15 @@ all: $(B)/libcm384.a $(B)/cm384 $(B)/embed $(B)/cm384-server
 $(B) $(B)/asan $(B)/tsan:
 	@mkdir -p $@
 
-$(B)/cm384.o: $(SRC) | $(B)
-	$(CC) $(CFLAGS) -c cm384.c -o $@
+# two objects, so that make's two jobs build them at once (cm384.c alone,
+# which includes the kernels, is the same library: `cc -c cm384.c`)
+$(B)/cm384.o: cm384.c cm384.h ggml_like/ggml_like.h ggml_like/unicode_data.h | $(B)
+	$(CC) $(CFLAGS) -DCM384_KERNELS_APART -c cm384.c -o $@
 
-$(B)/libcm384.a: $(B)/cm384.o
+$(B)/ggml_like.o: $(wildcard ggml_like/*.c ggml_like/*.h) | $(B)
+	$(CC) $(CFLAGS) -c ggml_like/ggml_like.c -o $@
+
+$(B)/libcm384.a: $(B)/cm384.o $(B)/ggml_like.o
 	ar rcs $@ $^
 
 $(B)/cm384: examples/cm384.c examples/cm384_project.c cm384.h $(B)/libcm384.a

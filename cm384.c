@@ -35,7 +35,16 @@
 #include <time.h>
 #include <unistd.h>
 
+/* The kernels (ggml_like/) are part of this translation unit, so that
+ * `cc -c cm384.c` builds the whole library; the Makefile compiles them as
+ * a second object beside this one instead (CM384_KERNELS_APART), so that
+ * the two halves build on two cores at once. */
+#ifndef CM384_KERNELS_APART
 #include "ggml_like/ggml_like.c"
+#else
+#include <stdatomic.h>
+#include "ggml_like/ggml_like.h"
+#endif
 
 /* ======================================================================== */
 /* 1. Errors and small utilities                                            */

@@ -462,7 +462,7 @@ static inline void gl_cpu_relax(void) {
 /* Spins a while: returns 0 once the spinning budget (from *start) is spent.
  * The budget is time, as a pause lasts 10 to 200 cycles depending on the
  * CPU; without a POSIX clock in scope it is a count. */
-static int gl_spin(int *spins, int64_t *start, int oversubscribed) {
+int gl_spin(int *spins, int64_t *start, int oversubscribed) {
     if (oversubscribed) { sched_yield(); return ++*spins < 50; }
     gl_cpu_relax();
     if ((++*spins & 63) != 0) return 1;

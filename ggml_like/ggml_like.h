@@ -232,5 +232,9 @@ void     gl_pool_run_pinned(gl_pool *p, gl_task_fn fn, void *ctx);
 
 /* Online CPU count (>= 1). */
 int gl_n_cpus(void);
+/* A waiting thread's spin: 1 while its budget lasts (from *start, both 0
+ * to begin), 0 once it should sleep; with more threads than CPUs it yields
+ * instead, for a short count. */
+int gl_spin(int *spins, int64_t *start, int oversubscribed);
 
 #endif /* GGML_LIKE_H */
