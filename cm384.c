@@ -24,6 +24,7 @@
 #include <limits.h>
 #include <math.h>
 #include <pthread.h>
+#include <sched.h>
 #include <stdarg.h>
 #include <stdbool.h>
 #include <stdio.h>
@@ -5544,9 +5545,11 @@ static void pl_sort(placement *p, int l) {
  * chunk.  The loop that published a region helps run it -- except the
  * prefill loop while decode has work, which sleeps instead, so the cores
  * never have more busy threads than workers: alone, either loop gets every
- * core; together, decode takes what it needs and prefill the rest.  A lane
- * holds one region at a time; tasks are claimed from an atomic word
- * (generation << 32 | next task), as in gl_pool. */
+ * core; together, decode takes what it needs and prefill the rest -- plus
+ * the time decode lends it between steps (prefill_share, section 12), its
+ * loop's thread running prefill's tasks.  A lane holds one region at a
+ * time; tasks are claimed from an atomic word (generation << 32 | next
+ * task), as in gl_pool. */
 
 enum { LANE_DECODE = 0, LANE_PREFILL = 1, N_LANES = 2 };
 
@@ -5571,11 +5574,13 @@ typedef struct lane_pool {
     _Alignas(64) atomic_int sleepers;
     atomic_int      stop;
     atomic_int      decode_busy;            /* the decode loop has work             */
+    atomic_int      prefill_busy;           /* the prefill loop has work            */
 } lane_pool;
 
 typedef struct lane_worker_arg { lane_pool *lp; int id; } lane_worker_arg;
 
-/* Claims and runs one task of lane L; 0 if it has none unclaimed. */
+/* Claims and runs one task of lane L: 1; 2 if another worker claimed it
+ * first (try again); 0 if it has none unclaimed. */
 static int lane_try(lane_pool *lp, int L, int worker) {
     lane *ln = &lp->lanes[L];
     uint64_t w = atomic_load_explicit(&ln->work, memory_order_acquire);
@@ -5583,7 +5588,7 @@ static int lane_try(lane_pool *lp, int L, int worker) {
     if ((uint32_t)w >= n) return 0;
     /* a count from a newer region means this one was closed: the CAS fails */
     if (!atomic_compare_exchange_strong_explicit(&ln->work, &w, w + 1, memory_order_acquire, memory_order_acquire))
-        return 1;
+        return 2;
     ln->fn(ln->ctx, (int)(uint32_t)w, worker);
     if ((uint32_t)atomic_fetch_add_explicit(&ln->done, 1, memory_order_seq_cst) + 1 == n &&
         atomic_load_explicit(&ln->waiting, memory_order_seq_cst)) {
@@ -6062,6 +6067,8 @@ struct cm384_engine {
     gl_pool          *pool_threads;          /* pinned: one thread per device      */
     lane_pool        *lanes;                 /* otherwise: the peers' shared workers */
     int               time_shared;           /* one loop runs prefill, then decode  */
+    double            prefill_lend;          /* peers: decode lends prefill this many
+                                                times each step's time (prefill_share) */
     int               n_workers;
     /* topology */
     int               n_dev;
@@ -10115,6 +10122,42 @@ static int prefill_has_work(struct cm384_engine *e, peer *P) {
 }
 static int decode_has_work(peer *D) { return D->in_head || D->n_run; }
 
+/* Decode lends its loop's thread to prefill between steps (prefill_share).
+ * Decode's tasks come first in the worker pool, so beside a busy decode
+ * prefill gets only what decode leaves: on 2 cores a 512-token prompt
+ * beside one decoding stream took 7x as long as alone, and requests that
+ * arrive together decoded in small batches while the rest crawled through
+ * prefill.  So after a step of step_ns, while prefill has work, decode's
+ * thread runs prefill's tasks for prefill_lend times as long (the pool's
+ * workers, finding no decode task, run prefill's too), so that with both
+ * peers busy the cores split prefill_share : 1 - prefill_share over time.
+ * With a TPOT target, at most the target's slack after the step.
+ * decode_busy stays set, so the prefill loop still does not help: the busy
+ * threads never outnumber the workers.  Which thread runs a task never
+ * changes what it computes. */
+static void decode_lend(struct cm384_engine *e, peer *D, uint64_t step_ns) {
+    lane_pool *lp = e->lanes;
+    if (e->prefill_lend <= 0 || lp->n_threads == 0 || !atomic_load_explicit(&lp->prefill_busy, memory_order_acquire)) return;
+    double budget = (double)step_ns * e->prefill_lend;
+    if (e->cfg.tpot_target_ms > 0 && budget > e->cfg.tpot_target_ms * 1e6 - (double)step_ns)
+        budget = e->cfg.tpot_target_ms * 1e6 - (double)step_ns;
+    if (!(budget >= 1000)) return;
+    uint64_t t0 = now_ns(), end = t0 + (uint64_t)budget, t = t0, tasks = 0;
+    int spins = 0;
+    int64_t start = 0;
+    while (t < end && atomic_load_explicit(&lp->prefill_busy, memory_order_acquire)) {
+        int ran = lane_try(lp, LANE_PREFILL, D->rg.caller);
+        if (ran == 1) tasks++, spins = 0, start = 0;
+        else if (!ran && !gl_spin(&spins, &start, lp->oversubscribed)) sched_yield();   /* prefill between regions */
+        t = now_ns();
+    }
+    trace_span(e, LANE_DECODE, "lent to prefill", D->steps_begun - 1, t0, t);
+    pthread_mutex_lock(&e->mu);
+    e->sched->st.prefill_lent_seconds += (double)(t - t0) / 1e9;
+    e->sched->st.prefill_lent_tasks += tasks;
+    pthread_mutex_unlock(&e->mu);
+}
+
 /* A peer's loop: rounds while it has work, asleep otherwise.  A round that
  * could not move (the pool or the batch is full) waits for a request to
  * finish.  Every loop stops once the engine is stopping and every request
@@ -10135,6 +10178,7 @@ static void peer_loop(struct cm384_engine *e, peer *P) {
         int work = P->lane == LANE_PREFILL ? prefill_has_work(e, P) : decode_has_work(P);
         unsigned seen = P->wakes;
         if (!work || stalled) {
+            if (P->lane == LANE_PREFILL) atomic_store(&e->lanes->prefill_busy, 0);
             if (P->lane == LANE_DECODE) {
                 atomic_store(&e->lanes->decode_busy, 0);
                 P->slo_last_end = 0;                 /* an idle gap is not a decode cycle */
@@ -10144,15 +10188,17 @@ static void peer_loop(struct cm384_engine *e, peer *P) {
             stalled = 0;
             continue;
         }
-        if (P->lane == LANE_DECODE) atomic_store(&e->lanes->decode_busy, 1);
+        atomic_store(P->lane == LANE_DECODE ? &e->lanes->decode_busy : &e->lanes->prefill_busy, 1);
         pthread_mutex_unlock(&e->mu);
         pthread_mutex_lock(&P->step_mu);
+        uint64_t t_round = now_ns();
         int moved = P->lane == LANE_PREFILL ? prefill_round(e, P) : decode_round(e, P);
         pthread_mutex_unlock(&P->step_mu);
+        if (P->lane == LANE_DECODE && moved) decode_lend(e, P, now_ns() - t_round);
         pthread_mutex_lock(&e->mu);
         stalled = !moved && P->wakes == seen;        /* nothing moved and nobody said why it might now */
     }
-    if (P->lane == LANE_DECODE) atomic_store(&e->lanes->decode_busy, 0);
+    atomic_store(P->lane == LANE_DECODE ? &e->lanes->decode_busy : &e->lanes->prefill_busy, 0);
     pthread_cond_broadcast(&e->peers[LANE_PREFILL + LANE_DECODE - P->lane].cv);   /* the other may exit too */
     pthread_mutex_unlock(&e->mu);
 }
@@ -10940,8 +10986,13 @@ int cm384_report(cm384_engine *e, char *buf, size_t cap) {
                   (unsigned long long)st.tokens_recomputed, (unsigned long long)st.experts_replaced,
                   (unsigned long long)st.experts_failed_over, (unsigned long long)st.messages_retried,
                   st.fault_recovery_ms_max);
-    sb_printf(&b, "peers: %s; %llu prefill steps, %llu decode steps, %llu decode steps ran inside prefill steps\n",
-              e->time_shared ? "one time-shared loop" : "prefill and decode loops side by side, decode first",
+    if (e->time_shared) sb_printf(&b, "peers: one time-shared loop");
+    else if (e->prefill_lend > 0)
+        sb_printf(&b, "peers: prefill and decode loops side by side, decode first, lending prefill %.0f%% of the time "
+                  "while both have work (%.2f s, %llu tasks)", 100 * e->cfg.prefill_share, st.prefill_lent_seconds,
+                  (unsigned long long)st.prefill_lent_tasks);
+    else sb_printf(&b, "peers: prefill and decode loops side by side, decode first, lending prefill nothing");
+    sb_printf(&b, "; %llu prefill steps, %llu decode steps, %llu decode steps ran inside prefill steps\n",
               (unsigned long long)st.prefill_steps, (unsigned long long)st.decode_steps,
               (unsigned long long)st.decode_steps_in_prefill);
     /* traffic by role pair, per plane */
@@ -11180,6 +11231,9 @@ static int config_resolve(cm384_config *c, const hparams *hp, const char *preset
 #undef RANGE
     if (!(c->tpot_target_ms >= 0) || isinf(c->tpot_target_ms))
         return fail(CM384_E_INVALID, "config.tpot_target_ms = %g is not a finite value >= 0", c->tpot_target_ms);
+    if (!(c->prefill_share == -1 || (c->prefill_share >= 0 && c->prefill_share <= 0.9)))
+        return fail(CM384_E_INVALID, "config.prefill_share = %g is neither -1 (decode first) nor in [0, 0.9]", c->prefill_share);
+    if (c->prefill_share == 0) c->prefill_share = 0.5;
     if (c->n_devices == 0) c->n_devices = 384;
     if (c->n_workers == 0) c->n_workers = gl_n_cpus();
     if (c->max_ctx == 0) c->max_ctx = hp->max_pos < 4096 ? hp->max_pos : 4096;
@@ -11346,6 +11400,7 @@ int cm384_engine_create(const cm384_model *m, const cm384_config *cfg, cm384_eng
     if (!r) r = build_topology(e);
     e->pinned = e->n_workers == e->n_dev && e->n_dev > 1;
     e->time_shared = c.time_shared > 0 || e->pinned;        /* one thread per device: one loop */
+    e->prefill_lend = c.prefill_share > 0 ? c.prefill_share / (1 - c.prefill_share) : 0;
     if (!r) {
         if (e->pinned) e->pool_threads = gl_pool_create(c.n_workers);
         else e->lanes = lane_pool_create(c.n_workers);

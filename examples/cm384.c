@@ -43,7 +43,7 @@ typedef struct opts {
     struct { int device, kind; unsigned long long step; } fails[16];   /* --fail, in order */
     int         n_fails;
     int         report, json, int8, int8_dispatch, mtp, bos, quiet, verbose, check_values, progress, no_warmup, no_mmap;
-    double      temperature, top_p, min_p, shared_prefix, tpot_target;
+    double      temperature, top_p, min_p, shared_prefix, tpot_target, prefill_share;
     unsigned long long seed;
     const char *out, *type;                   /* convert                      */
 } opts;
@@ -98,6 +98,7 @@ static const option options[] = {
     {"--kv-bf16", C_ENGINE, O_FLAG, F(kv_bf16), 0, 0, 1, NULL, "keep the KV cache in BF16: half its memory (an approximation; default fp32, exact)"},
     {"--prefill-expanded", C_ENGINE, O_FLAG, F(prefill_expanded), 0, 0, 1, NULL, "prefill attends with K and V expanded per head (DeepSeek's naive MLA): faster long prompts, other rounding than decode (default: absorbed, the same bits everywhere)"},
     {"--time-shared", C_ENGINE, O_FLAG, F(time_shared), 0, 0, 1, NULL, "one loop runs a prefill step then a decode step, in turn (default: prefill and decode run as peers)"},
+    {"--prefill-share", C_ENGINE, O_FLOAT, F(prefill_share), -1, 0.9, 0, "S", "peers: the share of the cores prefill gets while both have work (default 0.5; -1: decode first)"},
     {"--cache-dir", C_ENGINE, O_STR, F(cache_dir), 0, 0, 0, "DIR", "the context cache's disk tier (KV blocks kept across runs) and, with --int8, the model cache (INT8 weights saved once, then mapped)"},
     {"--fail", C_SAMPLE, O_FAIL, F(n_fails), 0, 0, 0, "DEV@STEP[:KIND]", "device DEV fails once the engine has run STEP steps (KIND: device, the default, or link: one step's messages lost); repeatable"},
     {"--mtp", C_ENGINE, O_FLAG, F(mtp), 0, 0, 1, NULL, "speculative decoding with the MTP layer, drafting while it pays"},
@@ -435,6 +436,7 @@ static int make_engine(const opts *o, cm384_model *m, cm384_engine **e) {
     c.eplb_period = o->eplb_period;
     c.bf16_combine = o->bf16_combine;
     c.time_shared = o->time_shared;
+    c.prefill_share = o->prefill_share;
     c.kv_bf16 = o->kv_bf16;
     c.prefill_expanded = o->prefill_expanded;
     c.cache_dir = o->cache_dir;
@@ -1043,12 +1045,14 @@ static int cmd_bench(const opts *o) {
         printf("\"time_shared\":%d,\"arrival_prompt\":%d,\"arrivals\":%d,\"arrival_tok_s\":%.2f,\"total_tok_s\":%.2f,"
                "\"itl_p50_ms\":%.3f,\"itl_p99_ms\":%.3f,\"req_tpot_p50_ms\":%.3f,\"req_tpot_p99_ms\":%.3f,"
                "\"decode_steps\":%llu,\"decode_steps_in_prefill\":%llu,\"cache_hits_pool\":%llu,\"cache_hits_disk\":%llu,"
-               "\"cache_misses\":%llu,\"tokens_cached\":%llu,\"tokens_prefilled\":%llu,\"prefill_s\":%.4f}\n",
+               "\"cache_misses\":%llu,\"tokens_cached\":%llu,\"tokens_prefilled\":%llu,\"prefill_s\":%.4f,"
+               "\"prefill_lent_s\":%.4f,\"prefill_lent_tasks\":%llu}\n",
                o->time_shared, AP, out.n_arrived, arrival_tok_s, total_tok_s, out.itl50, out.itl99, out.tp50, out.tp99,
                (unsigned long long)st.decode_steps, (unsigned long long)st.decode_steps_in_prefill,
                (unsigned long long)st.cache_hits_pool, (unsigned long long)st.cache_hits_disk,
                (unsigned long long)st.cache_misses, (unsigned long long)st.tokens_cached,
-               (unsigned long long)st.tokens_prefilled, st.prefill_seconds);
+               (unsigned long long)st.tokens_prefilled, st.prefill_seconds, st.prefill_lent_seconds,
+               (unsigned long long)st.prefill_lent_tasks);
     } else if (!status && !o->slo) {
         printf("workload: %d requests x (%d prompt + %d generated) tokens, %d in flight, shared prefix %.0f%%, %d tenant%s\n",
                R, P, N, C, 100 * o->shared_prefix, T, T > 1 ? "s" : "");

@@ -206,21 +206,27 @@ static void pe_submit(cm384_engine *e, pe_job *j) {
     if (cm384_submit(e, &rq, &j->id)) printf("  submit: %s\n", cm384_last_error());
 }
 
-static cm384_engine *pe_engine(cm384_model *m, const char *preset, int time_shared, int chunk) {
+static cm384_engine *pe_engine_share(cm384_model *m, const char *preset, int time_shared, int chunk, double share) {
     cm384_config c;
     cm384_config_init(&c);
     c.preset = preset; c.n_workers = 2; c.int8_dispatch = 0; c.bf16_combine = -1;
-    c.time_shared = time_shared; c.prefill_chunk = chunk; c.max_ctx = 256;
+    c.time_shared = time_shared; c.prefill_chunk = chunk; c.max_ctx = 256; c.prefill_share = share;
     cm384_engine *e = NULL;
     if (cm384_engine_create(m, &c, &e)) printf("  engine_create: %s\n", cm384_last_error());
     return e;
+}
+
+static cm384_engine *pe_engine(cm384_model *m, const char *preset, int time_shared, int chunk) {
+    return pe_engine_share(m, preset, time_shared, chunk, 0);
 }
 
 /* Decoding requests run while long prompts arrive: decode steps complete
  * while a prefill step computes (the step counters, not the clock, say so),
  * and every request's tokens are the ones it gets alone on one device.  The
  * time-shared loop is the control: there no decode step can run inside a
- * prefill step. */
+ * prefill step.  With the default prefill_share decode lends its thread to
+ * the long prompts' tasks between its steps; with -1 it never does, and the
+ * tokens are the same. */
 static void pe_arrivals(cm384_model *m) {
     enum { ND = 8, NL = 3 };
     static pe_job ref[ND + NL], got[ND + NL];
@@ -237,11 +243,12 @@ static void pe_arrivals(cm384_model *m) {
     cm384_engine_free(e);
     printf("peers at the same time: %d requests decoding while %d prompts of 200-220 tokens arrive\n", ND, NL);
     for (int ts = 0; ts < 2; ts++) {
-        for (int pass = 0; pass < (ts ? 1 : 2); pass++) {
-            const char *preset = pass ? "paper" : "default";
+        for (int pass = 0; pass < (ts ? 1 : 3); pass++) {
+            const char *preset = pass == 1 ? "paper" : "default";
+            double share = pass == 2 ? -1 : 0;
             memcpy(got, ref, sizeof got);
             for (int i = 0; i < ND + NL; i++) { got[i].n_out = 0; got[i].finals = 0; got[i].status = -99; }
-            e = pe_engine(m, preset, ts, 256);
+            e = pe_engine_share(m, preset, ts, 256, share);
             if (!e) { CHECK(0, "engine"); continue; }
             for (int i = 0; i < ND; i++) pe_submit(e, &got[i]);
             /* the long prompts arrive once every decoder has its first tokens */
@@ -265,10 +272,12 @@ static void pe_arrivals(cm384_model *m) {
             }
             int64_t short_steps = e->peers ? e->peers[LANE_PREFILL].short_steps : 0;
             printf("  %-16s %-7s: %2d/%d identical to alone on one device, %llu prefill and %llu decode steps, "
-                   "%llu decode steps inside prefill steps, %lld prefill steps as short tasks\n",
-                   ts ? "time-shared loop" : "peers", preset, same, ND + NL,
+                   "%llu decode steps inside prefill steps, %lld prefill steps as short tasks, "
+                   "%llu prefill tasks run by decode's thread\n",
+                   ts ? "time-shared loop" : share < 0 ? "peers, no lending" : "peers", preset, same, ND + NL,
                    (unsigned long long)st.prefill_steps, (unsigned long long)st.decode_steps,
-                   (unsigned long long)st.decode_steps_in_prefill, (long long)short_steps);
+                   (unsigned long long)st.decode_steps_in_prefill, (long long)short_steps,
+                   (unsigned long long)st.prefill_lent_tasks);
             /* short tasks exactly while a request decodes: a long prompt's
                step beside the decoders (the first arrives while they all
                decode; the last may find them finished, so not all NL), never
@@ -281,6 +290,13 @@ static void pe_arrivals(cm384_model *m) {
             CHECK(same == ND + NL && finals == ND + NL, "%s: %d/%d identical, %d single finals", preset, same, ND + NL, finals);
             if (ts) CHECK(st.decode_steps_in_prefill == 0, "time-shared: a decode step ran inside a prefill step");
             else CHECK(st.decode_steps_in_prefill > 0, "peers (%s): no decode step ran while a long prompt was prefilled", preset);
+            /* lending: decode steps ran inside prefill steps, and between them
+               decode's thread took prefill's tasks -- unless told not to */
+            if (ts || share < 0) CHECK(st.prefill_lent_tasks == 0 && st.prefill_lent_seconds == 0,
+                                      "%s: decode lent prefill %llu tasks", ts ? "time-shared" : "prefill_share -1",
+                                      (unsigned long long)st.prefill_lent_tasks);
+            else CHECK(st.prefill_lent_tasks > 0 && st.prefill_lent_seconds > 0,
+                       "peers (%s): decode never lent prefill its thread", preset);
             cm384_engine_free(e);
         }
     }

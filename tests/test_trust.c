@@ -91,19 +91,23 @@ static void tr_config(cm384_model *m) {
     TRY(tpot_target_ms, -1.0);
     TRY(tpot_target_ms, NAN);
     TRY(tpot_target_ms, INFINITY);
+    TRY(prefill_share, -0.5);
+    TRY(prefill_share, 0.95);
+    TRY(prefill_share, NAN);
     TRY(preset, "fastest");
 #undef TRY
     printf("  %d of %d out-of-range fields refused, each named in the message\n", n_ok, n_cases);
     /* and the zeros are defaults, not errors */
     cm384_config_init(&c);
     c.n_devices = 0; c.n_workers = 0; c.max_ctx = 0; c.max_batch = 0; c.kv_block_tokens = 0;
-    c.prefill_chunk = 0; c.microbatches = 0; c.int8_dispatch = 0; c.tpot_target_ms = 0; c.preset = NULL;
+    c.prefill_chunk = 0; c.microbatches = 0; c.int8_dispatch = 0; c.tpot_target_ms = 0; c.prefill_share = 0; c.preset = NULL;
     cm384_engine *e;
     int r = cm384_engine_create(m, &c, &e);
     CHECK(r == CM384_OK, "every field 0: %s", cm384_last_error());
     if (!r) {
         CHECK(e->n_dev == 384 && e->max_ctx == 256 && e->cfg.max_batch == 64 && e->kv.block_tokens == 16 &&
-              e->cfg.prefill_chunk == 512 && e->cfg.microbatches == 1,
+              e->cfg.prefill_chunk == 512 && e->cfg.microbatches == 1 && e->cfg.prefill_share == 0.5 &&
+              e->prefill_lend == 1.0,
               "zeros did not become the documented defaults");
         cm384_engine_free(e);
     }
