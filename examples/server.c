@@ -715,6 +715,7 @@ typedef struct {
     const char *model_path, *host, *alias, *preset, *chat_format;
     int         port, max_conns, threads, devices, max_ctx, max_batch, mtp, int8, kv_bf16, prefill_expanded;
     double      kv_pool_mib, cache_mib;     /* 0: the engine's defaults; cache < 0: off */
+    double      tpot_target_ms, prefill_share;   /* 0: none / the engine's default */
     size_t      max_body, max_header;
     double      idle_timeout_s, io_timeout_s;
 } server_opts;
@@ -1365,6 +1366,10 @@ static void usage(FILE *f) {
             "  --cache-mib N|off     context-cache budget inside the pool (default: half the pool)\n"
             "  -t N                  worker threads (default: online cores)\n"
             "  --devices N           emulated devices (default 384)\n"
+            "  --tpot-target MS      SLO: the largest decode batch whose p99 time per output token stays\n"
+            "                        under MS (default: none)\n"
+            "  --prefill-share S     the share of the cores prompts get while others decode (default 0.5;\n"
+            "                        -1: decode first -- the shortest TPOT, prompts starved meanwhile)\n"
             "  --preset NAME         default | paper | single\n"
             "  --chat-format NAME    deepseek-v2 | deepseek-v2-0628 | deepseek-v2.5 | deepseek-v3 | deepseek-r1:\n"
             "                        render chats so even when the model's template is missing or unknown\n"
@@ -1428,6 +1433,11 @@ int main(int argc, char **argv) {
         }
         else if (!strcmp(a, "-t")) { if ((ok = opt_num(a, v, 1, 4096, 1, &x))) o->threads = (int)x; }
         else if (!strcmp(a, "--devices")) { if ((ok = opt_num(a, v, 1, 1 << 20, 1, &x))) o->devices = (int)x; }
+        else if (!strcmp(a, "--tpot-target")) { if ((ok = opt_num(a, v, 0, 1e6, 0, &x))) o->tpot_target_ms = x; }
+        else if (!strcmp(a, "--prefill-share")) {
+            if ((ok = opt_num(a, v, -1, 0.9, 0, &x))) o->prefill_share = x;
+            if (ok && x < 0 && x != -1) { fprintf(stderr, "cm384-server: --prefill-share %s: -1 or 0 to 0.9\n", v); return 2; }
+        }
         else { fprintf(stderr, "cm384-server: unknown option %s (see --help)\n", a); return 2; }
         if (!ok) return 2;
     }
@@ -1472,6 +1482,8 @@ int main(int argc, char **argv) {
     cfg.kv_bf16 = o->kv_bf16;
     cfg.prefill_expanded = o->prefill_expanded;
     cfg.max_batch = o->max_batch;
+    cfg.tpot_target_ms = o->tpot_target_ms;
+    cfg.prefill_share = o->prefill_share;
     if (o->kv_pool_mib > 0) cfg.kv_pool_bytes = (size_t)(o->kv_pool_mib * 1048576);
     if (o->cache_mib < 0) cfg.cache_bytes = (size_t)-1;
     else if (o->cache_mib > 0) cfg.cache_bytes = (size_t)(o->cache_mib * 1048576);
