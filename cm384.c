@@ -10127,10 +10127,14 @@ static int decode_has_work(peer *D) { return D->in_head || D->n_run; }
  * prefill gets only what decode leaves: on 2 cores a 512-token prompt
  * beside one decoding stream took 7x as long as alone, and requests that
  * arrive together decoded in small batches while the rest crawled through
- * prefill.  So after a step of step_ns, while prefill has work, decode's
- * thread runs prefill's tasks for prefill_lend times as long (the pool's
- * workers, finding no decode task, run prefill's too), so that with both
- * peers busy the cores split prefill_share : 1 - prefill_share over time.
+ * prefill.  With prefill_share set, after a step of step_ns, while prefill
+ * has work, decode's thread runs prefill's tasks for prefill_lend times as
+ * long (the pool's workers, finding no decode task, run prefill's too), so
+ * that with both peers busy the cores split prefill_share : 1 -
+ * prefill_share over time.  Opt-in: where prefill holds requests that will
+ * join the decode batch it pays (16 arriving together), where decode is a
+ * steady batch beside one prompt at a time it mostly costs TPOT (the
+ * figures: docs/how-it-works.md, section 1).
  * With a TPOT target, at most the target's slack after the step.
  * decode_busy stays set, so the prefill loop still does not help: the busy
  * threads never outnumber the workers.  Which thread runs a task never
@@ -10991,7 +10995,7 @@ int cm384_report(cm384_engine *e, char *buf, size_t cap) {
         sb_printf(&b, "peers: prefill and decode loops side by side, decode first, lending prefill %.0f%% of the time "
                   "while both have work (%.2f s, %llu tasks)", 100 * e->cfg.prefill_share, st.prefill_lent_seconds,
                   (unsigned long long)st.prefill_lent_tasks);
-    else sb_printf(&b, "peers: prefill and decode loops side by side, decode first, lending prefill nothing");
+    else sb_printf(&b, "peers: prefill and decode loops side by side, decode first");
     sb_printf(&b, "; %llu prefill steps, %llu decode steps, %llu decode steps ran inside prefill steps\n",
               (unsigned long long)st.prefill_steps, (unsigned long long)st.decode_steps,
               (unsigned long long)st.decode_steps_in_prefill);
@@ -11231,9 +11235,8 @@ static int config_resolve(cm384_config *c, const hparams *hp, const char *preset
 #undef RANGE
     if (!(c->tpot_target_ms >= 0) || isinf(c->tpot_target_ms))
         return fail(CM384_E_INVALID, "config.tpot_target_ms = %g is not a finite value >= 0", c->tpot_target_ms);
-    if (!(c->prefill_share == -1 || (c->prefill_share >= 0 && c->prefill_share <= 0.9)))
-        return fail(CM384_E_INVALID, "config.prefill_share = %g is neither -1 (decode first) nor in [0, 0.9]", c->prefill_share);
-    if (c->prefill_share == 0) c->prefill_share = 0.5;
+    if (!(c->prefill_share >= 0 && c->prefill_share <= 0.9))
+        return fail(CM384_E_INVALID, "config.prefill_share = %g is outside [0, 0.9]", c->prefill_share);
     if (c->n_devices == 0) c->n_devices = 384;
     if (c->n_workers == 0) c->n_workers = gl_n_cpus();
     if (c->max_ctx == 0) c->max_ctx = hp->max_pos < 4096 ? hp->max_pos : 4096;

@@ -98,7 +98,7 @@ static const option options[] = {
     {"--kv-bf16", C_ENGINE, O_FLAG, F(kv_bf16), 0, 0, 1, NULL, "keep the KV cache in BF16: half its memory (an approximation; default fp32, exact)"},
     {"--prefill-expanded", C_ENGINE, O_FLAG, F(prefill_expanded), 0, 0, 1, NULL, "prefill attends with K and V expanded per head (DeepSeek's naive MLA): faster long prompts, other rounding than decode (default: absorbed, the same bits everywhere)"},
     {"--time-shared", C_ENGINE, O_FLAG, F(time_shared), 0, 0, 1, NULL, "one loop runs a prefill step then a decode step, in turn (default: prefill and decode run as peers)"},
-    {"--prefill-share", C_ENGINE, O_FLOAT, F(prefill_share), -1, 0.9, 0, "S", "peers: the share of the cores prefill gets while both have work (default 0.5; -1: decode first)"},
+    {"--prefill-share", C_ENGINE, O_FLOAT, F(prefill_share), 0, 0.9, 0, "S", "peers: the share of the cores prefill gets while both have work (default 0: decode first)"},
     {"--cache-dir", C_ENGINE, O_STR, F(cache_dir), 0, 0, 0, "DIR", "the context cache's disk tier (KV blocks kept across runs) and, with --int8, the model cache (INT8 weights saved once, then mapped)"},
     {"--fail", C_SAMPLE, O_FAIL, F(n_fails), 0, 0, 0, "DEV@STEP[:KIND]", "device DEV fails once the engine has run STEP steps (KIND: device, the default, or link: one step's messages lost); repeatable"},
     {"--mtp", C_ENGINE, O_FLAG, F(mtp), 0, 0, 1, NULL, "speculative decoding with the MTP layer, drafting while it pays"},

@@ -1368,8 +1368,8 @@ static void usage(FILE *f) {
             "  --devices N           emulated devices (default 384)\n"
             "  --tpot-target MS      SLO: the largest decode batch whose p99 time per output token stays\n"
             "                        under MS (default: none)\n"
-            "  --prefill-share S     the share of the cores prompts get while others decode (default 0.5;\n"
-            "                        -1: decode first -- the shortest TPOT, prompts starved meanwhile)\n"
+            "  --prefill-share S     the share of the cores prompts get while others decode, up to 0.9\n"
+            "                        (default 0: decode first -- the shortest TPOT, prompts slow meanwhile)\n"
             "  --preset NAME         default | paper | single\n"
             "  --chat-format NAME    deepseek-v2 | deepseek-v2-0628 | deepseek-v2.5 | deepseek-v3 | deepseek-r1:\n"
             "                        render chats so even when the model's template is missing or unknown\n"
@@ -1434,10 +1434,7 @@ int main(int argc, char **argv) {
         else if (!strcmp(a, "-t")) { if ((ok = opt_num(a, v, 1, 4096, 1, &x))) o->threads = (int)x; }
         else if (!strcmp(a, "--devices")) { if ((ok = opt_num(a, v, 1, 1 << 20, 1, &x))) o->devices = (int)x; }
         else if (!strcmp(a, "--tpot-target")) { if ((ok = opt_num(a, v, 0, 1e6, 0, &x))) o->tpot_target_ms = x; }
-        else if (!strcmp(a, "--prefill-share")) {
-            if ((ok = opt_num(a, v, -1, 0.9, 0, &x))) o->prefill_share = x;
-            if (ok && x < 0 && x != -1) { fprintf(stderr, "cm384-server: --prefill-share %s: -1 or 0 to 0.9\n", v); return 2; }
-        }
+        else if (!strcmp(a, "--prefill-share")) { if ((ok = opt_num(a, v, 0, 0.9, 0, &x))) o->prefill_share = x; }
         else { fprintf(stderr, "cm384-server: unknown option %s (see --help)\n", a); return 2; }
         if (!ok) return 2;
     }

@@ -251,8 +251,8 @@ echo
 echo "== 6. peers on $(basename "$SS"): 16 requests decoding while prompts of 2048 tokens keep arriving (one in flight)"
 printf '%-18s %-9s | %9s %9s | %9s %9s | %10s %10s %8s\n' loop arrivals "gap p50" "gap p99" "TPOT p50" "TPOT p99" \
     "prompt/s" "total/s" "in-pref"
-for mode in peers decode-first time-shared; do
-    flag=""; [ $mode = time-shared ] && flag="--time-shared"; [ $mode = decode-first ] && flag="--prefill-share -1"
+for mode in peers lend-0.5 time-shared; do
+    flag=""; [ $mode = time-shared ] && flag="--time-shared"; [ $mode = lend-0.5 ] && flag="--prefill-share 0.5"
     for a in 0 2048; do
         o=$(bench_median "itl_p50_ms itl_p99_ms req_tpot_p50_ms req_tpot_p99_ms arrival_tok_s total_tok_s decode_steps_in_prefill" \
             -m "$SS" -p 64 -n 64 --requests 16 --concurrency 16 -t "$T" --arrivals $a $flag)
@@ -264,8 +264,8 @@ for mode in peers decode-first time-shared; do
 done
 echo "(gaps = ms between consecutive tokens of the 16 decoding requests; TPOT = each request's mean gap, p50/p99 over"
 echo " the 16; prompt/s = arriving prompt tokens per second of wall time; total/s = generated + prefilled tokens per"
-echo " second; in-pref = decode steps that completed inside a prefill step; peers lend prefill half the time while both"
-echo " have work, decode-first lends nothing (--prefill-share -1). Medians of $RUNS runs.)"
+echo " second; in-pref = decode steps that completed inside a prefill step; peers: decode first (the default),"
+echo " lend-0.5: decode lends prefill half the time while both have work (--prefill-share 0.5). Medians of $RUNS runs.)"
 fi
 if want 7; then
 echo

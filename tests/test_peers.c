@@ -224,8 +224,8 @@ static cm384_engine *pe_engine(cm384_model *m, const char *preset, int time_shar
  * while a prefill step computes (the step counters, not the clock, say so),
  * and every request's tokens are the ones it gets alone on one device.  The
  * time-shared loop is the control: there no decode step can run inside a
- * prefill step.  With the default prefill_share decode lends its thread to
- * the long prompts' tasks between its steps; with -1 it never does, and the
+ * prefill step.  With prefill_share 0.5 decode lends its thread to the long
+ * prompts' tasks between its steps; by default it never does, and the
  * tokens are the same. */
 static void pe_arrivals(cm384_model *m) {
     enum { ND = 8, NL = 3 };
@@ -245,7 +245,7 @@ static void pe_arrivals(cm384_model *m) {
     for (int ts = 0; ts < 2; ts++) {
         for (int pass = 0; pass < (ts ? 1 : 3); pass++) {
             const char *preset = pass == 1 ? "paper" : "default";
-            double share = pass == 2 ? -1 : 0;
+            double share = pass == 2 ? 0 : 0.5;
             memcpy(got, ref, sizeof got);
             for (int i = 0; i < ND + NL; i++) { got[i].n_out = 0; got[i].finals = 0; got[i].status = -99; }
             e = pe_engine_share(m, preset, ts, 256, share);
@@ -274,7 +274,7 @@ static void pe_arrivals(cm384_model *m) {
             printf("  %-16s %-7s: %2d/%d identical to alone on one device, %llu prefill and %llu decode steps, "
                    "%llu decode steps inside prefill steps, %lld prefill steps as short tasks, "
                    "%llu prefill tasks run by decode's thread\n",
-                   ts ? "time-shared loop" : share < 0 ? "peers, no lending" : "peers", preset, same, ND + NL,
+                   ts ? "time-shared loop" : share > 0 ? "peers, lending" : "peers", preset, same, ND + NL,
                    (unsigned long long)st.prefill_steps, (unsigned long long)st.decode_steps,
                    (unsigned long long)st.decode_steps_in_prefill, (long long)short_steps,
                    (unsigned long long)st.prefill_lent_tasks);
@@ -292,8 +292,8 @@ static void pe_arrivals(cm384_model *m) {
             else CHECK(st.decode_steps_in_prefill > 0, "peers (%s): no decode step ran while a long prompt was prefilled", preset);
             /* lending: decode steps ran inside prefill steps, and between them
                decode's thread took prefill's tasks -- unless told not to */
-            if (ts || share < 0) CHECK(st.prefill_lent_tasks == 0 && st.prefill_lent_seconds == 0,
-                                      "%s: decode lent prefill %llu tasks", ts ? "time-shared" : "prefill_share -1",
+            if (ts || share == 0) CHECK(st.prefill_lent_tasks == 0 && st.prefill_lent_seconds == 0,
+                                      "%s: decode lent prefill %llu tasks", ts ? "time-shared" : "prefill_share 0",
                                       (unsigned long long)st.prefill_lent_tasks);
             else CHECK(st.prefill_lent_tasks > 0 && st.prefill_lent_seconds > 0,
                        "peers (%s): decode never lent prefill its thread", preset);

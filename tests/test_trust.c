@@ -106,8 +106,7 @@ static void tr_config(cm384_model *m) {
     CHECK(r == CM384_OK, "every field 0: %s", cm384_last_error());
     if (!r) {
         CHECK(e->n_dev == 384 && e->max_ctx == 256 && e->cfg.max_batch == 64 && e->kv.block_tokens == 16 &&
-              e->cfg.prefill_chunk == 512 && e->cfg.microbatches == 1 && e->cfg.prefill_share == 0.5 &&
-              e->prefill_lend == 1.0,
+              e->cfg.prefill_chunk == 512 && e->cfg.microbatches == 1 && e->prefill_lend == 0,
               "zeros did not become the documented defaults");
         cm384_engine_free(e);
     }
