@@ -5545,11 +5545,10 @@ static void pl_sort(placement *p, int l) {
  * chunk.  The loop that published a region helps run it -- except the
  * prefill loop while decode has work, which sleeps instead, so the cores
  * never have more busy threads than workers: alone, either loop gets every
- * core; together, decode takes what it needs and prefill the rest -- plus
- * the time decode lends it between steps (prefill_share, section 12), its
- * loop's thread running prefill's tasks.  A lane holds one region at a
- * time; tasks are claimed from an atomic word (generation << 32 | next
- * task), as in gl_pool. */
+ * core; together, decode takes what it needs and prefill the rest (with
+ * prefill_share, plus the time decode lends it between steps: section 12).
+ * A lane holds one region at a time; tasks are claimed from an atomic word
+ * (generation << 32 | next task), as in gl_pool. */
 
 enum { LANE_DECODE = 0, LANE_PREFILL = 1, N_LANES = 2 };
 
@@ -10134,11 +10133,10 @@ static int decode_has_work(peer *D) { return D->in_head || D->n_run; }
  * prefill_share over time.  Opt-in: where prefill holds requests that will
  * join the decode batch it pays (16 arriving together), where decode is a
  * steady batch beside one prompt at a time it mostly costs TPOT (the
- * figures: docs/how-it-works.md, section 1).
- * With a TPOT target, at most the target's slack after the step.
- * decode_busy stays set, so the prefill loop still does not help: the busy
- * threads never outnumber the workers.  Which thread runs a task never
- * changes what it computes. */
+ * figures: docs/how-it-works.md, section 1).  With a TPOT target, at most
+ * the target's slack after the step.  decode_busy stays set, so the
+ * prefill loop still does not help: the busy threads never outnumber the
+ * workers.  Which thread runs a task never changes what it computes. */
 static void decode_lend(struct cm384_engine *e, peer *D, uint64_t step_ns) {
     lane_pool *lp = e->lanes;
     if (e->prefill_lend <= 0 || lp->n_threads == 0 || !atomic_load_explicit(&lp->prefill_busy, memory_order_acquire)) return;
