@@ -486,9 +486,9 @@ typedef struct cm384_config {
                                       (1 - share) times that step's time (with a
                                       TPOT target, at most the target's slack).
                                       Prompts arriving together reach the decode
-                                      batch sooner (16 at once on bench-M INT8:
-                                      +20-40% tok/s, TTFT halved at 0.5), at the
-                                      cost of TPOT meanwhile.  0 (default): decode
+                                      batch sooner (at 0.5 on bench-M INT8: 16 at
+                                      once +23-47% tok/s; 4 at a time, TTFT p50
+                                      halved), at the cost of TPOT meanwhile.  0 (default): decode
                                       first -- prefill gets what decode leaves:
                                       the shortest TPOT, prompts slow beside a
                                       busy decode.  Scheduling only: never changes
