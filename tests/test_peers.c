@@ -302,6 +302,30 @@ static void pe_arrivals(cm384_model *m) {
     }
 }
 
+/* How long decode lends after a step (prefill_share): share / (1 - share)
+ * times the step, never beyond a TPOT target's slack, nothing under 1 us. */
+static void pe_lend_budget(void) {
+    const uint64_t ms = 1000000;
+    struct { uint64_t step; double lend, target; uint64_t want; } c[] = {
+        {10 * ms, 1.0, 0, 10 * ms},         /* share 0.5, no target: as long again */
+        {10 * ms, 3.0, 0, 30 * ms},         /* share 0.75 */
+        {10 * ms, 1.0, 50, 10 * ms},        /* a target with room to spare */
+        {10 * ms, 1.0, 15, 5 * ms},         /* ... with 5 ms of slack */
+        {10 * ms, 1.0, 10, 0},              /* the step alone meets it: nothing */
+        {10 * ms, 1.0, 8, 0},               /* the step misses it: nothing */
+        {500, 1.0, 0, 0},                   /* under a microsecond: nothing */
+    };
+    int ok = 0, n = (int)(sizeof c / sizeof c[0]);
+    for (int i = 0; i < n; i++) {
+        uint64_t got = lend_budget_ns(c[i].step, c[i].lend, c[i].target);
+        int good = got == c[i].want;
+        ok += good;
+        CHECK(good, "lend budget: step %llu ns, lend %.2f, target %.1f ms: %llu ns, want %llu", (unsigned long long)c[i].step,
+              c[i].lend, c[i].target, (unsigned long long)got, (unsigned long long)c[i].want);
+    }
+    printf("lending budget (prefill_share, TPOT slack): %d of %d cases\n", ok, n);
+}
+
 /* The trace: prefill devices and decode devices busy at the same time. */
 static void pe_trace_overlap(cm384_model *m) {
     char path[] = "/tmp/cm384-peers-trace-XXXXXX";
@@ -682,6 +706,7 @@ TEST_MAIN(peers) {
     cm384_model *m;
     if (cm384_model_load(PE_FIX, NULL, &m)) { printf("load: %s\n", cm384_last_error()); return 1; }
     pe_fabric(m);
+    pe_lend_budget();
     pe_arrivals(m);
     pe_trace_overlap(m);
     pe_kvf_parser();
