@@ -759,6 +759,8 @@ typedef struct bench_req {
     double   t_last;         /* its last token, for the gaps between tokens    */
     double  *gaps;           /* ms between consecutive tokens (NULL: not kept) */
     int      n_gaps, cap_gaps;
+    double   ttft_sum, ttft_max;  /* over its finished runs (the arrivals reuse one) */
+    int      n_ttft;
 } bench_req;
 
 /* The workload: R requests (C in flight, T tenants), and optionally prompts
@@ -774,13 +776,22 @@ typedef struct bench_out {
     cm384_stats st;
     double      wall;
     int         n_arrived;
+    double      arr_ttft_mean, arr_ttft_max;   /* the arrivals' time to first token */
     double      itl50, itl99;        /* gaps between tokens, over every request  */
     double      tp50, tp99;          /* each request's mean gap, over requests   */
 } bench_out;
 
 static int bench_event(void *user, const cm384_event *ev) {
     bench_req *b = user;
-    if (ev->kind != CM384_EV_TOKEN) { b->done = 1; return 0; }
+    if (ev->kind != CM384_EV_TOKEN) {
+        if (ev->kind == CM384_EV_DONE) {
+            b->ttft_sum += ev->ttft_ms;
+            if (ev->ttft_ms > b->ttft_max) b->ttft_max = ev->ttft_ms;
+            b->n_ttft++;
+        }
+        b->done = 1;
+        return 0;
+    }
     double t = now_s();
     if (b->t_last > 0 && b->n_gaps < b->cap_gaps) b->gaps[b->n_gaps++] = (t - b->t_last) * 1e3;
     b->t_last = t;
@@ -873,6 +884,8 @@ static int bench_run(const opts *o, cm384_model *m, const bench_work *w, const c
         if (arq.id) cm384_cancel(e, arq.id);
         cm384_wait_all(e);
     } else if (arq.id && !arq.done) cm384_wait(e, arq.id, -1);
+    out->arr_ttft_mean = arq.n_ttft ? arq.ttft_sum / arq.n_ttft : 0;
+    out->arr_ttft_max = arq.ttft_max;
     out->wall = now_s() - t0;
     /* gaps between consecutive tokens of the requests, and each one's TPOT */
     int n_gaps = 0;
@@ -1046,21 +1059,22 @@ static int cmd_bench(const opts *o) {
                "\"itl_p50_ms\":%.3f,\"itl_p99_ms\":%.3f,\"req_tpot_p50_ms\":%.3f,\"req_tpot_p99_ms\":%.3f,"
                "\"decode_steps\":%llu,\"decode_steps_in_prefill\":%llu,\"cache_hits_pool\":%llu,\"cache_hits_disk\":%llu,"
                "\"cache_misses\":%llu,\"tokens_cached\":%llu,\"tokens_prefilled\":%llu,\"prefill_s\":%.4f,"
-               "\"prefill_lent_s\":%.4f,\"prefill_lent_tasks\":%llu}\n",
+               "\"prefill_lent_s\":%.4f,\"prefill_lent_tasks\":%llu,\"arrival_ttft_mean_ms\":%.2f,\"arrival_ttft_max_ms\":%.2f}\n",
                o->time_shared, AP, out.n_arrived, arrival_tok_s, total_tok_s, out.itl50, out.itl99, out.tp50, out.tp99,
                (unsigned long long)st.decode_steps, (unsigned long long)st.decode_steps_in_prefill,
                (unsigned long long)st.cache_hits_pool, (unsigned long long)st.cache_hits_disk,
                (unsigned long long)st.cache_misses, (unsigned long long)st.tokens_cached,
                (unsigned long long)st.tokens_prefilled, st.prefill_seconds, st.prefill_lent_seconds,
-               (unsigned long long)st.prefill_lent_tasks);
+               (unsigned long long)st.prefill_lent_tasks, out.arr_ttft_mean, out.arr_ttft_max);
     } else if (!status && !o->slo) {
         printf("workload: %d requests x (%d prompt + %d generated) tokens, %d in flight, shared prefix %.0f%%, %d tenant%s\n",
                R, P, N, C, 100 * o->shared_prefix, T, T > 1 ? "s" : "");
         printf("wall %.2f s: %.1f generated tok/s overall; load %.2f s\n", wall, out_tok_s, t_load);
         if (AP > 0)
-            printf("arrivals: %d prompts of %d tokens (%.1f prompt tok/s) while decoding; gaps between tokens p50 %.2f ms "
-                   "p99 %.2f ms; per-request TPOT p50 %.2f ms p99 %.2f ms; %.1f tok/s in all (%s)\n", out.n_arrived, AP,
-                   arrival_tok_s, out.itl50, out.itl99, out.tp50, out.tp99, total_tok_s,
+            printf("arrivals: %d prompts of %d tokens (%.1f prompt tok/s, TTFT mean %.1f ms, max %.1f ms) while decoding; "
+                   "gaps between tokens p50 %.2f ms p99 %.2f ms; per-request TPOT p50 %.2f ms p99 %.2f ms; %.1f tok/s in all "
+                   "(%s)\n", out.n_arrived, AP, arrival_tok_s, out.arr_ttft_mean, out.arr_ttft_max, out.itl50, out.itl99,
+                   out.tp50, out.tp99, total_tok_s,
                    o->time_shared ? "time-shared loop" : "peers");
         if (print_report(e)) status = EXIT_RUNTIME;
     }

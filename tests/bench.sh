@@ -249,22 +249,23 @@ SS=$M/bench-S
 if want 6; then
 echo
 echo "== 6. peers on $(basename "$SS"): 16 requests decoding while prompts of 2048 tokens keep arriving (one in flight)"
-printf '%-18s %-9s | %9s %9s | %9s %9s | %10s %10s %8s\n' loop arrivals "gap p50" "gap p99" "TPOT p50" "TPOT p99" \
-    "prompt/s" "total/s" "in-pref"
+printf '%-18s %-9s | %9s %9s | %9s %9s | %10s %10s %8s %9s\n' loop arrivals "gap p50" "gap p99" "TPOT p50" "TPOT p99" \
+    "prompt/s" "total/s" "in-pref" "arr TTFT"
 for mode in peers lend-0.5 time-shared; do
     flag=""; [ $mode = time-shared ] && flag="--time-shared"; [ $mode = lend-0.5 ] && flag="--prefill-share 0.5"
     for a in 0 2048; do
-        o=$(bench_median "itl_p50_ms itl_p99_ms req_tpot_p50_ms req_tpot_p99_ms arrival_tok_s total_tok_s decode_steps_in_prefill" \
+        o=$(bench_median "itl_p50_ms itl_p99_ms req_tpot_p50_ms req_tpot_p99_ms arrival_tok_s total_tok_s decode_steps_in_prefill arrival_ttft_mean_ms" \
             -m "$SS" -p 64 -n 64 --requests 16 --concurrency 16 -t "$T" --arrivals $a $flag)
         set -- $o
-        printf '%-18s %-9s | %9.2f %9.2f | %9.2f %9.2f | %10.1f %10.1f %8s\n' $mode $a $1 $2 $3 $4 $5 $6 $7
+        printf '%-18s %-9s | %9.2f %9.2f | %9.2f %9.2f | %10.1f %10.1f %8s %9.1f\n' $mode $a $1 $2 $3 $4 $5 $6 $7 $8
     done
     o=$(bench_median "arrival_tok_s" -m "$SS" -p 64 -n 1 --requests 0 --arrivals 2048 --arrival-count 3 -t "$T" $flag)
     printf '%-18s prefill alone: %.1f prompt tok/s\n' $mode $o
 done
 echo "(gaps = ms between consecutive tokens of the 16 decoding requests; TPOT = each request's mean gap, p50/p99 over"
 echo " the 16; prompt/s = arriving prompt tokens per second of wall time; total/s = generated + prefilled tokens per"
-echo " second; in-pref = decode steps that completed inside a prefill step; peers: decode first (the default),"
+echo " second; in-pref = decode steps that completed inside a prefill step; arr TTFT = the arriving prompts' mean"
+echo " time to first token, ms; peers: decode first (the default),"
 echo " lend-0.5: decode lends prefill half the time while both have work (--prefill-share 0.5). Medians of $RUNS runs.)"
 fi
 if want 7; then
