@@ -5216,7 +5216,9 @@ int cm384_model_save_gguf(const cm384_model *m, const char *path, const char *ty
     }
     gw_kv_u32(&w, "deepseek2.leading_dense_block_count", (uint32_t)(E > 0 ? hp->n_dense : hp->n_layers));
     gw_kv_u32(&w, "deepseek2.vocab_size", (uint32_t)hp->vocab);
-    if (hp->q_lora) gw_kv_u32(&w, "deepseek2.attention.q_lora_rank", (uint32_t)hp->q_lora);
+    /* 0 too: llama.cpp takes a file without it for a q_lora-less model only
+       at V2-Lite's 26 or 27 layers, with it at 0 at any depth */
+    gw_kv_u32(&w, "deepseek2.attention.q_lora_rank", (uint32_t)hp->q_lora);
     gw_kv_u32(&w, "deepseek2.attention.kv_lora_rank", (uint32_t)hp->kv_lora);
     gw_kv_u32(&w, "deepseek2.attention.key_length", (uint32_t)(hp->kv_lora + hp->qk_rope));
     gw_kv_u32(&w, "deepseek2.attention.value_length", (uint32_t)hp->kv_lora);

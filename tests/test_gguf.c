@@ -214,6 +214,41 @@ static void gg_round_trips(const char *dir) {
     free(ref); free(mtp_ref);
 }
 
+/* A model without q_lora (V2-Lite's attention) says so in the file:
+ * q_lora_rank 0, which llama.cpp needs to take such a model at any depth
+ * other than V2-Lite's own 26 or 27 layers. */
+static void gg_lite_export(const char *dir) {
+    int32_t ids[24];
+    for (int i = 0; i < 24; i++) ids[i] = (int32_t)((i * 131 + 7) % 1000);
+    cm384_model *m;
+    if (cm384_model_load(dir, NULL, &m)) { CHECK(0, "%s", cm384_last_error()); return; }
+    CHECK(m->hp.q_lora == 0, "%s has q_lora %d", dir, m->hp.q_lora);
+    int V = m->hp.vocab;
+    char path[400];
+    snprintf(path, sizeof path, "%s/lite-bf16.gguf", gg_tmp);
+    CHECK(cm384_model_save_gguf(m, path, "bf16") == CM384_OK, "save: %s", cm384_last_error());
+    cm384_model_free(m);
+    file_map f;
+    arena a = {0};
+    gguf_meta g;
+    tensor_table tt = {0};
+    if (file_map_open(&f, path, 0)) { CHECK(0, "open %s", path); return; }
+    if (gguf_read(&f, path, 0, &a, &g, &tt) == CM384_OK) {
+        const gguf_kv *kv = gguf_find(&g, "deepseek2.attention.q_lora_rank");
+        CHECK(kv && kv->num == 0, "q_lora_rank %s", kv ? "is not 0" : "is missing");
+        printf("  %s -> bf16 GGUF: attention.q_lora_rank %s\n", dir, kv ? "0, written" : "missing");
+    } else CHECK(0, "read back: %s", cm384_last_error());
+    free(tt.items);
+    arena_free(&a);
+    file_map_close(&f);
+    float *ref = gg_logits(dir, ids, 24, NULL), *l = gg_logits(path, ids, 24, NULL);
+    if (ref && l) {
+        double d = gg_max_diff(l, ref, (size_t)24 * V);
+        CHECK(d < 1e-3, "%s bf16 round trip: %g", dir, d);
+    }
+    free(ref); free(l);
+}
+
 /* ---- the tokenizer in a GGUF ---- */
 
 static void gg_tokenizer(void) {
@@ -284,6 +319,7 @@ TEST_MAIN(gguf) {
     printf("export round trips:\n");
     gg_round_trips(GG_TINY);
     if (!getenv("CM384_QUICK")) gg_round_trips("models/shakespeare");
+    gg_lite_export("tests/fixtures/tiny-dsv2-lite");
     printf("tokenizer:\n");
     gg_tokenizer();
     char cmd[300];

@@ -8,10 +8,9 @@
 # with tests/peer/hf2gguf.py and NAME-q8_0.gguf with the peer's
 # llama-quantize into LLAMA_GGUF_DIR (default PEER_DIR/gguf).  The peer
 # must be built first (make peer); Python needs numpy (Debian: python3-numpy).
-# Limit: this llama.cpp tells a DeepSeek-V2 without q_lora ("lite") by its
-# layer count (26 or 27), so V2-Lite cut to 4 layers converts but does not
-# load there (it asks for attention.q_lora_rank); make bench's llama.cpp
-# rows then cover bench-M only.
+# llama.cpp takes a DeepSeek-V2 without q_lora ("lite") by its layer count
+# (26 or 27) when the file has no attention.q_lora_rank; hf2gguf.py writes
+# it as 0, so V2-Lite cut to 4 layers loads there too.
 set -e
 here=$(cd "$(dirname "$0")/../.." && pwd)
 main=$(cd "$here" && git rev-parse --path-format=absolute --git-common-dir 2>/dev/null | sed 's|/\.git$||')

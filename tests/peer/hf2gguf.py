@@ -92,8 +92,10 @@ def main():
     w.add_expert_gating_func(gguf.ExpertGatingFuncType.SIGMOID if sf == "sigmoid" else gguf.ExpertGatingFuncType.SOFTMAX)
     w.add_leading_dense_block_count(cfg.get("first_k_dense_replace", 0))
     w.add_vocab_size(cfg["vocab_size"])
-    if cfg.get("q_lora_rank"):
-        w.add_q_lora_rank(cfg["q_lora_rank"])
+    # written even when 0 (no q_lora, V2-Lite): llama.cpp takes a model
+    # without the key for V2-Lite only at 26 or 27 layers, and with it at 0
+    # loads the plain q projection at any depth (the 4-layer cut)
+    w.add_q_lora_rank(cfg.get("q_lora_rank") or 0)
     w.add_kv_lora_rank(kv_lora)
     w.add_key_length(kv_lora + cfg["qk_rope_head_dim"])
     w.add_value_length(kv_lora)
