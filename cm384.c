@@ -10123,6 +10123,15 @@ static int prefill_has_work(struct cm384_engine *e, peer *P) {
 }
 static int decode_has_work(peer *D) { return D->in_head || D->n_run; }
 
+/* How long decode lends after a step of step_ns: lend times the step, and
+ * with a TPOT target no more than the target leaves after the step; 0 for
+ * under a microsecond. */
+static uint64_t lend_budget_ns(uint64_t step_ns, double lend, double tpot_target_ms) {
+    double budget = (double)step_ns * lend;
+    if (tpot_target_ms > 0 && budget > tpot_target_ms * 1e6 - (double)step_ns) budget = tpot_target_ms * 1e6 - (double)step_ns;
+    return budget >= 1000 ? (uint64_t)budget : 0;
+}
+
 /* Decode lends its loop's thread to prefill between steps (prefill_share).
  * Decode's tasks come first in the worker pool, so beside a busy decode
  * prefill gets only what decode leaves: on 2 cores a 512-token prompt
@@ -10139,15 +10148,6 @@ static int decode_has_work(peer *D) { return D->in_head || D->n_run; }
  * the target's slack after the step.  decode_busy stays set, so the
  * prefill loop still does not help: the busy threads never outnumber the
  * workers.  Which thread runs a task never changes what it computes. */
-/* How long decode lends after a step of step_ns: lend times the step, and
- * with a TPOT target no more than the target leaves after the step; 0 for
- * under a microsecond. */
-static uint64_t lend_budget_ns(uint64_t step_ns, double lend, double tpot_target_ms) {
-    double budget = (double)step_ns * lend;
-    if (tpot_target_ms > 0 && budget > tpot_target_ms * 1e6 - (double)step_ns) budget = tpot_target_ms * 1e6 - (double)step_ns;
-    return budget >= 1000 ? (uint64_t)budget : 0;
-}
-
 static void decode_lend(struct cm384_engine *e, peer *D, uint64_t step_ns) {
     lane_pool *lp = e->lanes;
     if (e->prefill_lend <= 0 || lp->n_threads == 0 || !atomic_load_explicit(&lp->prefill_busy, memory_order_acquire)) return;
