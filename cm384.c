@@ -5734,6 +5734,8 @@ typedef struct region {
     int64_t    step;                       /* that peer's step now running, -1 outside steps (trace) */
     int        small_tasks;                /* cut products into short tasks: prefill beside decode
                                               (set per prefill step: some request is decoding) */
+    int        many_products;              /* its products are many (a MoE layer's experts): they
+                                              balance the workers, none needs cutting for that */
     size_t     work;                       /* bytes its tasks read, where sized (see region_run) */
     int        unsized;                    /* it holds tasks of no size                          */
     struct cm384_engine *e;
@@ -5813,7 +5815,7 @@ static void mm_chunk_task(void *ctx, int arg, int c, int worker) {
 
 #define MM_TASK_BYTES (256u << 10)         /* weights a product's task reads          */
 #define MM_STREAM_TASK_BYTES (1024u << 10) /* ... when it has at most MM_STREAM_MAX_N tokens */
-#define MM_STREAM_MAX_N 2
+#define MM_STREAM_MAX_N 16                 /* the kernels' streaming forms take up to 16 tokens */
 /* Work that reads fewer bytes than this (weights x tokens, or rows) takes a
  * few microseconds at cache speed: less than handing it to another worker
  * costs.  A product this small is one task, and a region of only such work
@@ -5828,16 +5830,21 @@ static void region_add_mm(region *rg, int n_workers, mm_job *jb, int device) {
     if (jb->n <= 0) return;
     size_t bytes = (size_t)jb->w->rows * gl_row_bytes(jb->w->type, jb->w->cols);
     /* ~256 KB of weights a task, at least two tasks a worker -- but a
-       product of 1-2 tokens (decode) only streams its weights, and each task
-       is a stream that starts cold: up to 1 MB a task and one task a worker
-       (bench-M INT8, alternating pairs on a noisy machine: single-stream
-       decode faster in 14 of 19, by 0-5%; 16 streams in 3 of 4; bf16
-       decode no change in 4) */
+       product of up to 16 tokens (decode) streams its weights, and each task
+       is a stream that starts cold, paying again for its tokens' set-up
+       (a512_q8_interleave): up to 1 MB a task and one task a worker -- and
+       in a region of many such products (a MoE layer's experts) the
+       products themselves balance the workers, so each is cut only by
+       those bytes.  (bench-M INT8, medians of 5 alternating runs, 16
+       streams: TPOT 15.7 -> 14.7 ms with 1 MB tasks up to 16 tokens rather
+       than 2, 14.2 with experts uncut; one stream 257 -> 264 tok/s;
+       bf16 16 streams 41.1 -> 38.9 ms) */
     int streams = jb->n <= MM_STREAM_MAX_N;
     size_t per_task = streams ? MM_STREAM_TASK_BYTES : MM_TASK_BYTES;
     int nc = (int)((bytes + per_task - 1) / per_task);
     int by_rows = (jb->w->rows + 15) / 16;
     int spread = n_workers > 1 ? (streams ? 1 : 2) * n_workers : 1;
+    if (rg->many_products && streams) spread = 1;
     if (bytes * (size_t)jb->n < SMALL_WORK_BYTES) spread = 1;   /* less work than handing it over */
     if (nc < spread) nc = spread;
     if (nc > by_rows) nc = by_rows;
@@ -7467,6 +7474,7 @@ static int moe_stage(op *o, region *rg) {
     case 5:                                   /* each expert over all rows it received */
         rg->name = "experts";
         o->n_jobs = 0;
+        rg->many_products = 1;
         for (int i = 0; i < pl->n_entries && ord[i] >= 0; i++) {
             int en = ord[i], n = s->entry_count[en];
             size_t f = (size_t)s->entry_first[en];
@@ -7474,6 +7482,7 @@ static int moe_stage(op *o, region *rg) {
             op_mmq(o, rg, &fw->gate, s->recv_f + f * D, s->recv_q + f * D, s->recv_s + f, D, s->ex_a + f * W, W, n, dev[en]);
             op_mmq(o, rg, &fw->up, s->recv_f + f * D, s->recv_q + f * D, s->recv_s + f, D, s->ex_b + f * W, W, n, dev[en]);
         }
+        rg->many_products = 0;
         return 1;
     case 6:
         rg->name = "experts";
@@ -7484,12 +7493,14 @@ static int moe_stage(op *o, region *rg) {
     case 7:
         rg->name = "experts";
         o->n_jobs = 0;
+        rg->many_products = 1;
         for (int i = 0; i < pl->n_entries && ord[i] >= 0; i++) {
             int en = ord[i], n = s->entry_count[en];
             size_t f = (size_t)s->entry_first[en];
             const ffn_w *fw = entry_weights(L, Q, pl, en, E);
             op_mmq(o, rg, &fw->down, s->ex_a + f * W, s->exq + f * W, s->exs + f, W, s->ex_out + f * D, D, n, dev[en]);
         }
+        rg->many_products = 0;
         return 1;
     case 8:
         rg->name = "combine";
