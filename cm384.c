@@ -6510,6 +6510,35 @@ static void t_kv_write(void *ctx, int g, int t, int worker) {
         for (int i = 0; i < lat; i++) ((uint16_t *)slot)[i] = gl_f32_to_bf16(row[i]);
 }
 
+/* The per-head products (t_absorb, t_uv) take a device group's rows, or
+ * with ALL_GROUPS every group's at once: the groups lie side by side from
+ * row 0, and in the default topology the devices share one copy of each
+ * head's matrix, so it is read once for all of them (as op_mm_rows does). */
+#define ALL_GROUPS -1
+static dev_group head_rows(const microbatch *mb, int g) {
+    if (g != ALL_GROUPS) return mb->groups[g];
+    dev_group all = mb->groups[0];
+    all.first = 0;
+    all.n = mb->n;
+    return all;
+}
+
+static size_t head_bytes(const op *o, int uv);
+
+/* Adds a per-head product's tasks: one a head, for each device group or,
+ * when the groups are fused, for all of them (charged to each by rows). */
+static void op_heads(op *o, region *rg, task_fn fn, int uv) {
+    microbatch *mb = o->mb;
+    int H = o->e->m->hp.n_heads;
+    if (o->e->fuse_groups && mb->n_groups > 1) {
+        int first = region_groups(rg);
+        region_add_sized(rg, fn, o, ALL_GROUPS, H, mb->groups[0].device, head_bytes(o, uv) * (size_t)mb->n);
+        if (region_groups(rg) > first) { rg->g[first].split = mb->groups; rg->g[first].n_split = mb->n_groups; }
+        return;
+    }
+    FOR_GROUPS(mb, g) region_add_sized(rg, fn, o, g, H, mb->groups[g].device, head_bytes(o, uv) * (size_t)mb->groups[g].n);
+}
+
 /* Absorb W_uk into the query for one head over a device's rows, then place
  * the rotated q_pe after it: one dot with a KV row scores both parts. */
 static void t_absorb(void *ctx, int g, int h, int worker) {
@@ -6520,7 +6549,7 @@ static void t_absorb(void *ctx, int g, int h, int worker) {
     const hparams *hp = &m->hp;
     const layer_w *L = &m->layers[o->layer];
     int H = hp->n_heads, qk = hp->qk_nope + hp->qk_rope, lat = hp->kv_lora + hp->qk_rope;
-    const dev_group *gr = &mb->groups[g];
+    const dev_group rows = head_rows(mb, g), *gr = &rows;
     const float *q = mb->s->q + ((size_t)gr->first * H + h) * qk;
     float *ql = mb->s->qlat + ((size_t)gr->first * H + h) * lat;
     const layer_q8 *Q = op_q8(o);
@@ -6792,8 +6821,11 @@ static void t_uv(void *ctx, int g, int h, int worker) {
     const hparams *hp = &o->e->m->hp;
     const layer_w *L = &o->e->m->layers[o->layer];
     int H = hp->n_heads, R = hp->kv_lora;
-    const dev_group *gr = &mb->groups[g];
-    if (o->core_lanes > 1) core_fold_split(o, g, h);
+    const dev_group rows = head_rows(mb, g), *gr = &rows;
+    if (o->core_lanes > 1) {
+        if (g != ALL_GROUPS) core_fold_split(o, g, h);
+        else FOR_GROUPS(mb, k) core_fold_split(o, k, h);
+    }
     const float *c = mb->s->ctx + ((size_t)h * mb->s->cap + gr->first) * R;
     float *y = mb->s->att + ((size_t)gr->first * H + h) * hp->v_head;
     const layer_q8 *Q = op_q8(o);
@@ -7307,7 +7339,7 @@ static int attn_stage(op *o, region *rg) {
             o->stage = 20;
             continue;
         }
-        FOR_GROUPS(mb, g) region_add_sized(rg, t_absorb, o, g, H, mb->groups[g].device, head_bytes(o, 0) * (size_t)mb->groups[g].n);
+        op_heads(o, rg, t_absorb, 0);
         return 1;
     case 5:
         core_tiles(mb, CORE_TILE);
@@ -7335,7 +7367,7 @@ static int attn_stage(op *o, region *rg) {
                        mb->groups[g].device);
         return 1;
     case 6:
-        FOR_GROUPS(mb, g) region_add_sized(rg, t_uv, o, g, H, mb->groups[g].device, head_bytes(o, 1) * (size_t)mb->groups[g].n);
+        op_heads(o, rg, t_uv, 1);
         return 1;
     case 7:
         if (!Q) continue;
