@@ -9005,6 +9005,8 @@ typedef struct peer {
     request        *ready_head, *ready_tail;/* prefill: loaded by the caching loop  */
     _Atomic uint64_t steps;        /* steps run (the other peer reads it)          */
     int64_t         steps_begun;   /* steps started, failed ones too: the trace's step numbers */
+    atomic_int      computing;     /* prefill: a step's products are running (decode
+                                      reads it: a decode step beside none ran alone) */
     int64_t         short_steps;   /* prefill: steps run as short tasks (a request was decoding) */
     /* decode's step measurements (SLO, EPLB) */
     atomic_int      decode_cap;    /* requests the SLO lets run (prefill admits within it) */
@@ -9725,12 +9727,16 @@ static int prefill_round(struct cm384_engine *e, peer *P) {
         pthread_mutex_unlock(&e->mu);
         P->short_steps += P->rg.small_tasks;
     }
+    atomic_store(&P->computing, 1);    /* before d0: a decode step it counts is never alone */
     double t0 = now_ms();
     uint64_t ns0 = now_ns(), d0 = atomic_load(&e->peers[LANE_DECODE].steps);
     P->rg.step = P->steps_begun++;
     run_phase(e, P, rq, cnt, nr);
     uint64_t overlap = atomic_load(&e->peers[LANE_DECODE].steps) - d0;     /* decode steps done meanwhile */
-    if (step_failed(e, P, rq, nr)) return 1;
+    if (step_failed(e, P, rq, nr)) {
+        atomic_store(&P->computing, 0);
+        return 1;
+    }
     request *done_rq[1024];
     int nd = 0;
     uint64_t tokens = 0;
@@ -9742,6 +9748,7 @@ static int prefill_round(struct cm384_engine *e, peer *P) {
     sample_rows(e, P, done_rq, nd);
     for (int i = 0; i < nd; i++) done_rq[i]->tokens[done_rq[i]->n_tokens] = done_rq[i]->sampled;   /* t_P for MTP */
     if (e->mtp) mtp_step(e, P, rq, first, nr, 1);
+    atomic_store(&P->computing, 0);
     if (step_failed(e, P, rq, nr)) return 1;
     for (int i = 0; i < nr; i++) offer_blocks_locked(e, rq[i]);
     trace_span(e, LANE_PREFILL, "prefill step", P->rg.step, ns0, now_ns());
@@ -9898,6 +9905,11 @@ static int decode_round(struct cm384_engine *e, peer *D) {
     if (!nr) return 0;
     double t0 = now_ms();
     uint64_t ns0 = now_ns();
+    /* alone: no prefill step computed beside it, start to end (its speed
+       is then decode's own, not a share of the workers) */
+    peer *P = &e->peers[LANE_PREFILL];
+    uint64_t p_steps = atomic_load(&P->steps), w0 = atomic_load(&e->weight_bytes[1]);
+    int alone = !atomic_load(&P->computing);
     D->rg.step = D->steps_begun++;
     run_phase(e, D, rq, cnt, nr);
     if (step_failed(e, D, rq, nr)) return 1;
@@ -9923,16 +9935,24 @@ static int decode_round(struct cm384_engine *e, peer *D) {
     }
     if (step_failed(e, D, rq, nr)) return 1;
     double dt = now_ms() - t0;
+    alone = alone && !atomic_load(&P->computing) && atomic_load(&P->steps) == p_steps;
+    uint64_t w1 = atomic_load(&e->weight_bytes[1]);
     atomic_fetch_add(&D->steps, 1);
     trace_span(e, LANE_DECODE, "decode step", D->rg.step, ns0, now_ns());
+    int emitted = nr;
+    for (int i = 0; i < nr; i++) emitted += rq[i]->drafting && rq[i]->accepted;
     pthread_mutex_lock(&e->mu);
     S->st.decode_steps++;
     S->st.decode_seconds += dt / 1e3;
     S->st.mtp_drafted += drafted;
     S->st.mtp_accepted += accepted;
+    if (alone) {
+        S->st.decode_alone_steps++;
+        S->st.decode_alone_seconds += dt / 1e3;
+        S->st.decode_alone_tokens += (uint64_t)emitted;
+        S->st.decode_alone_weight_bytes += w1 >= w0 ? w1 - w0 : 0;   /* a reset may fall inside the step */
+    }
     pthread_mutex_unlock(&e->mu);
-    int emitted = nr;
-    for (int i = 0; i < nr; i++) emitted += rq[i]->drafting && rq[i]->accepted;
     decode_after_step(e, D, rq, nr, emitted);
     for (int i = 0; i < nr; i++) {
         request *r = rq[i];
@@ -11049,6 +11069,10 @@ int cm384_report(cm384_engine *e, char *buf, size_t cap) {
     sb_printf(&b, "; %llu prefill steps, %llu decode steps, %llu decode steps ran inside prefill steps\n",
               (unsigned long long)st.prefill_steps, (unsigned long long)st.decode_steps,
               (unsigned long long)st.decode_steps_in_prefill);
+    if (st.decode_alone_steps && st.decode_alone_seconds > 0)
+        sb_printf(&b, "decode alone (no prefill step beside it): %llu steps, %.1f tok/s, weights read at %.2f GB/s\n",
+                  (unsigned long long)st.decode_alone_steps, st.decode_alone_tokens / st.decode_alone_seconds,
+                  st.decode_alone_weight_bytes / st.decode_alone_seconds / 1e9);
     /* traffic by role pair, per plane */
     {
         static const char *plane_name[3] = {"UB", "RDMA", "memory pool"};

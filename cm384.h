@@ -703,6 +703,12 @@ typedef struct cm384_stats {
     double   prefill_lent_seconds;    /* time decode's loop lent its thread to
                                          prefill between decode steps              */
     uint64_t prefill_lent_tasks;      /* prefill tasks it ran then                 */
+    /* decode steps that ran alone: no prefill step computed beside them from
+       start to end, so their speed is decode's own rather than a share of
+       the workers -- with many streams, the steady state */
+    uint64_t decode_alone_steps, decode_alone_tokens;
+    uint64_t decode_alone_weight_bytes;   /* as decode_weight_bytes, over them */
+    double   decode_alone_seconds;
 } cm384_stats;
 
 CM384_API int  cm384_get_stats(cm384_engine *e, cm384_stats *out);

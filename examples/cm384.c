@@ -1059,13 +1059,17 @@ static int cmd_bench(const opts *o) {
                "\"itl_p50_ms\":%.3f,\"itl_p99_ms\":%.3f,\"req_tpot_p50_ms\":%.3f,\"req_tpot_p99_ms\":%.3f,"
                "\"decode_steps\":%llu,\"decode_steps_in_prefill\":%llu,\"cache_hits_pool\":%llu,\"cache_hits_disk\":%llu,"
                "\"cache_misses\":%llu,\"tokens_cached\":%llu,\"tokens_prefilled\":%llu,\"prefill_s\":%.4f,"
-               "\"prefill_lent_s\":%.4f,\"prefill_lent_tasks\":%llu,\"arrival_ttft_mean_ms\":%.2f,\"arrival_ttft_max_ms\":%.2f}\n",
+               "\"prefill_lent_s\":%.4f,\"prefill_lent_tasks\":%llu,\"arrival_ttft_mean_ms\":%.2f,\"arrival_ttft_max_ms\":%.2f,"
+               "\"decode_alone_steps\":%llu,\"decode_alone_tok_s\":%.2f,\"decode_alone_weight_gbs\":%.2f}\n",
                o->time_shared, AP, out.n_arrived, arrival_tok_s, total_tok_s, out.itl50, out.itl99, out.tp50, out.tp99,
                (unsigned long long)st.decode_steps, (unsigned long long)st.decode_steps_in_prefill,
                (unsigned long long)st.cache_hits_pool, (unsigned long long)st.cache_hits_disk,
                (unsigned long long)st.cache_misses, (unsigned long long)st.tokens_cached,
                (unsigned long long)st.tokens_prefilled, st.prefill_seconds, st.prefill_lent_seconds,
-               (unsigned long long)st.prefill_lent_tasks, out.arr_ttft_mean, out.arr_ttft_max);
+               (unsigned long long)st.prefill_lent_tasks, out.arr_ttft_mean, out.arr_ttft_max,
+               (unsigned long long)st.decode_alone_steps,
+               st.decode_alone_seconds > 0 ? st.decode_alone_tokens / st.decode_alone_seconds : 0.0,
+               st.decode_alone_seconds > 0 ? st.decode_alone_weight_bytes / st.decode_alone_seconds / 1e9 : 0.0);
     } else if (!status && !o->slo) {
         printf("workload: %d requests x (%d prompt + %d generated) tokens, %d in flight, shared prefix %.0f%%, %d tenant%s\n",
                R, P, N, C, 100 * o->shared_prefix, T, T > 1 ? "s" : "");

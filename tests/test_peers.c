@@ -290,6 +290,26 @@ static void pe_arrivals(cm384_model *m) {
             CHECK(same == ND + NL && finals == ND + NL, "%s: %d/%d identical, %d single finals", preset, same, ND + NL, finals);
             if (ts) CHECK(st.decode_steps_in_prefill == 0, "time-shared: a decode step ran inside a prefill step");
             else CHECK(st.decode_steps_in_prefill > 0, "peers (%s): no decode step ran while a long prompt was prefilled", preset);
+            /* decode alone: every step in the time-shared loop; beside the
+               peers, the steps after the long prompts (the decoders outlast
+               them) but not those inside their prefill steps -- and never
+               more bytes, time or tokens than decode's in all */
+            printf("  %-16s %-7s: %llu of %llu decode steps alone, %llu tokens, %.3f of %.3f s\n",
+                   ts ? "time-shared loop" : share > 0 ? "peers, lending" : "peers", preset, (unsigned long long)st.decode_alone_steps, (unsigned long long)st.decode_steps,
+                   (unsigned long long)st.decode_alone_tokens, st.decode_alone_seconds, st.decode_seconds);
+            if (ts) CHECK(st.decode_alone_steps == st.decode_steps, "time-shared: %llu of %llu decode steps alone",
+                          (unsigned long long)st.decode_alone_steps, (unsigned long long)st.decode_steps);
+            else CHECK(st.decode_alone_steps > 0 && st.decode_alone_steps + st.decode_steps_in_prefill <= st.decode_steps,
+                       "peers (%s): %llu decode steps alone, %llu inside prefill steps, of %llu", preset,
+                       (unsigned long long)st.decode_alone_steps, (unsigned long long)st.decode_steps_in_prefill,
+                       (unsigned long long)st.decode_steps);
+            CHECK(st.decode_alone_tokens >= st.decode_alone_steps && st.decode_alone_tokens <= st.tokens_decoded &&
+                  st.decode_alone_weight_bytes > 0 && st.decode_alone_weight_bytes <= st.decode_weight_bytes &&
+                  st.decode_alone_seconds > 0 && st.decode_alone_seconds <= st.decode_seconds,
+                  "%s: decode alone %llu tokens of %llu, %llu weight bytes of %llu, %.3f s of %.3f",
+                  preset, (unsigned long long)st.decode_alone_tokens, (unsigned long long)st.tokens_decoded,
+                  (unsigned long long)st.decode_alone_weight_bytes, (unsigned long long)st.decode_weight_bytes,
+                  st.decode_alone_seconds, st.decode_seconds);
             /* lending: decode steps ran inside prefill steps, and between them
                decode's thread took prefill's tasks -- unless told not to */
             if (ts || share == 0) CHECK(st.prefill_lent_tasks == 0 && st.prefill_lent_seconds == 0,
