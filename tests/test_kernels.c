@@ -785,10 +785,12 @@ static void pool_mm_task(void *ctx, int task, int worker) {
 }
 
 static void test_invariance(const gl_kernels *k, gl_pool *pool2, gl_pool *pool4) {
-    static const int colss[] = {7, 129, 300, 8200};   /* 8200: several token blocks */
+    /* 2000: a slice past what stays in L2, so the rows go in panels of 6
+       and 4 that several token tiles share; 8200: several token blocks */
+    static const int colss[] = {7, 129, 300, 2000, 8200};
     for (int type = 0; type < GL_TYPE_COUNT; type++)
-        for (size_t ci = 0; ci < 4; ci++) {
-            int cols = colss[ci], rows = cols > 1000 ? 25 : 131, n = 37, ldx = cols + 5, ldy = rows + 3;
+        for (size_t ci = 0; ci < sizeof colss / sizeof colss[0]; ci++) {
+            int cols = colss[ci], rows = cols > 4000 ? 25 : 131, n = 37, ldx = cols + 5, ldy = rows + 3;
             if (cols > 1000 && k == gl_kernels_scalar()) continue;   /* one code path, no blocks: spare the time */
             test_mat t = make_mat(type, rows, cols);
             test_act a = make_act(k, n, cols, ldx);
