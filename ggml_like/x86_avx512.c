@@ -549,11 +549,13 @@ GL_A512_INLINE void a512_dpbusd_b4(__m512i *acc, __m512i w, const int8_t *p) {
  * TMAX: the padding's products are free while the weights stream in). */
 #define A512_Q8_STREAM_NT 16
 #define A512_Q8_STREAM_BYTES 32768   /* the interleaved tokens, on the stack */
-/* ... but 3-16 tokens on a matrix this small (a head's absorbed product,
- * read again by every group of tokens: in cache) go to the tiles, which
- * share each broadcast token among 4 panels: 512x128 and 128x512 from L1/L2,
- * 3-16 tokens, 10-35% more GOP/s than one panel at a time */
-#define A512_Q8_CACHED_BYTES (128u << 10)
+/* Small matrices stream too.  A head's absorbed product (64 KB) had gone
+ * to the tiles, which share each broadcast token among 4 panels and were
+ * 10-35% faster from L1/L2, while each device group re-read it; once the
+ * groups share one pass it comes from DRAM, where the tiles reached 4-7
+ * GB/s against 24-27 streaming (512x128, 16 tokens, 2 threads).  bench-M
+ * INT8 16 streams, TPOT medians of 6 alternating runs: 12.23 -> 11.78 ms;
+ * the paper preset and the trained model's 16 streams no slower. */
 GL_A512_INLINE void a512_q8_stream(const gl_mat *w, const int C, const int TMAX, int ntp, int nt, const int8_t *xt,
                                    const int32_t *xsum, const float *xs, int r0, int r1, float *y, int ldy) {
     const __m512i flip = _mm512_set1_epi8((char)0x80);
@@ -621,10 +623,9 @@ static GL_A512 void a512_matmul_q8(const gl_mat *w, const int8_t *xq, const floa
         const float *xs = xscale + i0;
         float *yb = y + (size_t)i0 * ldy;
         a512_xsums(xb, ni, ldx, w->cols, xsum);
-        const size_t wbytes = (size_t)w->rows * gl_q8_cols4(w->cols);
         const int ntp = (ni + 3) & ~3;                  /* tokens interleaved, with the padding */
         if (ni <= 2) a512_q8_panelwise(w, ni, xb, ldx, xsum, xs, r0, r1, yb, ldy);
-        else if (ni <= A512_Q8_STREAM_NT && wbytes > A512_Q8_CACHED_BYTES &&
+        else if (ni <= A512_Q8_STREAM_NT &&
                  (size_t)ntp * gl_q8_cols4(w->cols) <= A512_Q8_STREAM_BYTES) {
             _Alignas(64) int32_t xt[A512_Q8_STREAM_BYTES / 4];
             a512_q8_interleave(xb, ni, ntp, ldx, w->cols, xt);
