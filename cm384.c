@@ -6377,6 +6377,12 @@ static void op_mmq(op *o, region *rg, const gl_mat *w, const float *x, const int
                               (uint64_t)w->rows * (uint64_t)w->cols * gl_type_size(w->type), memory_order_relaxed);
 }
 
+/* The group added at index `first` (if any) did every device group's work
+ * of mb at once: its time is charged to each device by rows. */
+static void fused_charge(region *rg, int first, const microbatch *mb) {
+    if (region_groups(rg) > first) { rg->g[first].split = mb->groups; rg->g[first].n_split = mb->n_groups; }
+}
+
 /* y = W x over every device group's rows (x, xq, xs, y point at row 0).
  * Each device computes its own rows; in the default topology the devices
  * share one copy of W in this process, so the product streams W once for
@@ -6389,7 +6395,7 @@ static void op_mm_rows(op *o, region *rg, const gl_mat *w, const float *x, const
     if (o->e->fuse_groups && mb->n_groups > 1) {
         int first = region_groups(rg);
         op_mmq(o, rg, w, x, xq, xs, ldx, y, ldy, mb->n, mb->groups[0].device);
-        if (region_groups(rg) > first) { rg->g[first].split = mb->groups; rg->g[first].n_split = mb->n_groups; }
+        fused_charge(rg, first, mb);
         return;
     }
     FOR_GROUPS(mb, g) {
@@ -6533,7 +6539,7 @@ static void op_heads(op *o, region *rg, task_fn fn, int uv) {
     if (o->e->fuse_groups && mb->n_groups > 1) {
         int first = region_groups(rg);
         region_add_sized(rg, fn, o, ALL_GROUPS, H, mb->groups[0].device, head_bytes(o, uv) * (size_t)mb->n);
-        if (region_groups(rg) > first) { rg->g[first].split = mb->groups; rg->g[first].n_split = mb->n_groups; }
+        fused_charge(rg, first, mb);
         return;
     }
     FOR_GROUPS(mb, g) region_add_sized(rg, fn, o, g, H, mb->groups[g].device, head_bytes(o, uv) * (size_t)mb->groups[g].n);
@@ -7613,7 +7619,7 @@ static int head_stage(op *o, region *rg) {
             int first = region_groups(rg);
             op_mmq(o, rg, o->head, s->hsel, s->hselq, s->hsels, D, mb->logits, V, s->sel_first[mb->n_groups - 1] +
                    s->sel_n[mb->n_groups - 1], mb->groups[0].device);
-            if (region_groups(rg) > first) { rg->g[first].split = mb->groups; rg->g[first].n_split = mb->n_groups; }
+            fused_charge(rg, first, mb);
         } else if (mb->logits) FOR_GROUPS(mb, g)
             op_mmq(o, rg, o->head, s->hsel + (size_t)s->sel_first[g] * D, s->hselq + (size_t)s->sel_first[g] * D,
                    s->hsels + s->sel_first[g], D, mb->logits + (size_t)s->sel_first[g] * V, V,
