@@ -6345,6 +6345,8 @@ typedef struct op {
     int                  core_lanes;/* OP_ATTN: CORE_LANES when a tile's lanes are tasks of
                                        their own (few tiles), else 1                   */
     region              *rg;        /* the peer's region its stages add to              */
+    task_fn              head_fn;   /* OP_ATTN: the per-head product op_heads added...  */
+    int                  heads_per_task; /* ... and the heads each of its tasks runs    */
     /* OP_ATTN, expanded prefill: the run of rows (one sequence) and the
        chunk of its keys being attended, and the run's tiles */
     int                  x_r0, x_r1, x_keys, x_c0, x_c1, x_t0, x_t1, x_dev;
@@ -6531,18 +6533,35 @@ static dev_group head_rows(const microbatch *mb, int g) {
 
 static size_t head_bytes(const op *o, int uv);
 
-/* Adds a per-head product's tasks: one a head, for each device group or,
- * when the groups are fused, for all of them (charged to each by rows). */
+/* A run of o->heads_per_task heads of a per-head product, in order. */
+static void t_heads(void *ctx, int g, int task, int worker) {
+    op *o = ctx;
+    int H = o->e->m->hp.n_heads, h1 = (task + 1) * o->heads_per_task;
+    for (int h = task * o->heads_per_task; h < h1 && h < H; h++) o->head_fn(ctx, g, h, worker);
+}
+
+/* Adds a per-head product's tasks, for each device group or, when the
+ * groups are fused, for all of them (charged to each by rows).  Prefill
+ * takes a head a task; a few rows (decode) take a run of heads a task, one
+ * run a worker: a head's matrix is only 64 KB at DeepSeek's shapes, and
+ * as a task of its own each began a cold stream of weights (bench-M INT8,
+ * one stream: W_uk^T of 16 heads, 1 MB, read at 33 GB/s a step against
+ * 60-70 for the projections beside it).  The heads' results are the same
+ * whatever the runs. */
 static void op_heads(op *o, region *rg, task_fn fn, int uv) {
     microbatch *mb = o->mb;
-    int H = o->e->m->hp.n_heads;
+    int H = o->e->m->hp.n_heads, W = o->e->n_workers;
+    o->head_fn = fn;
+    o->heads_per_task = mb->n <= MM_STREAM_MAX_N && W > 1 ? (H + W - 1) / W : 1;
+    int tasks = (H + o->heads_per_task - 1) / o->heads_per_task;
     if (o->e->fuse_groups && mb->n_groups > 1) {
         int first = region_groups(rg);
-        region_add_sized(rg, fn, o, ALL_GROUPS, H, mb->groups[0].device, head_bytes(o, uv) * (size_t)mb->n);
+        region_add_sized(rg, t_heads, o, ALL_GROUPS, tasks, mb->groups[0].device, head_bytes(o, uv) * (size_t)mb->n);
         fused_charge(rg, first, mb);
         return;
     }
-    FOR_GROUPS(mb, g) region_add_sized(rg, fn, o, g, H, mb->groups[g].device, head_bytes(o, uv) * (size_t)mb->groups[g].n);
+    FOR_GROUPS(mb, g)
+        region_add_sized(rg, t_heads, o, g, tasks, mb->groups[g].device, head_bytes(o, uv) * (size_t)mb->groups[g].n);
 }
 
 /* Absorb W_uk into the query for one head over a device's rows, then place
@@ -8102,7 +8121,8 @@ static void t_quantize_weight(void *ctx, int task, int worker) {
  * of its bytes agree; otherwise it is remade. */
 
 #define Q8F_MAGIC "CM384Q8\1"
-#define Q8F_VERSION 2                 /* 2: GL_Q8's 16-row panels (1: row-major) */
+#define Q8F_VERSION 3                 /* 3: a layer's per-head products grouped by kind;
+                                         2: GL_Q8's 16-row panels (1: row-major) */
 
 typedef struct q8f_header {
     char     magic[8];
@@ -8267,12 +8287,12 @@ static void q8_walk(cm384_model *m, layer_q8 *q8, q8_plan *pl) {
             if (L->w_uk && !Q->w_uk) { pl->status = fail(CM384_E_NOMEM, "out of memory for INT8 weights"); break; }
         }
         pl->replaced += stored_bytes(&L->wkv_b);
-        for (int h = 0; h < hp->n_heads; h++) {
-            gl_mat d1, d2;
-            q8_add(m, pl, &L->w_uk_t[h], q8 ? &Q->w_uk_t[h] : &d1, 0);
-            q8_add(m, pl, &L->w_uv[h], q8 ? &Q->w_uv[h] : &d2, 0);
-            if (L->w_uk) q8_add(m, pl, &L->w_uk[h], q8 ? &Q->w_uk[h] : &d1, 0);
-        }
+        /* every head's W_uk^T, then every W_uv: decode reads each kind as
+           one run of bytes (op_heads), not 64 KB pieces a head apart */
+        gl_mat dh;
+        for (int h = 0; h < hp->n_heads; h++) q8_add(m, pl, &L->w_uk_t[h], q8 ? &Q->w_uk_t[h] : &dh, 0);
+        for (int h = 0; h < hp->n_heads; h++) q8_add(m, pl, &L->w_uv[h], q8 ? &Q->w_uv[h] : &dh, 0);
+        if (L->w_uk) for (int h = 0; h < hp->n_heads; h++) q8_add(m, pl, &L->w_uk[h], q8 ? &Q->w_uk[h] : &dh, 0);
         if (L->is_moe) {
             if (q8 && !(Q->experts = arena_alloc(&m->q8_arena, (size_t)hp->n_routed * sizeof(ffn_w)))) {
                 pl->status = fail(CM384_E_NOMEM, "out of memory for INT8 weights");
