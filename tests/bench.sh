@@ -118,15 +118,19 @@ LLAMA_GGUF_DIR=${LLAMA_GGUF_DIR:-$PEER/gguf}
 if want 3; then
 echo
 echo "== 3. models: prefill 512 tokens, decode 128 tokens (1 stream), decode 16 streams; medians of $RUNS"
-printf '%-9s %-5s | %9s %8s %7s | %9s %8s %7s %9s | %9s %7s %9s %6s %6s\n' model dtype "prefill" "GOP/s" "%peak" \
+printf '%-9s %-5s | %9s %8s %7s %6s | %9s %8s %7s %9s | %9s %7s %9s %6s %6s\n' model dtype "prefill" "GOP/s" "%peak" "bound" \
     "decode" "GB/s" "%bw" "tok/s/TF" "16 strm" "x 1-st" "ceiling" "%ceil" "alone"
 for name in $MODELS; do
     for q in bf16 int8; do
         flag=""; peak=$FP; lk=fp32
         [ "$q" = int8 ] && flag="--int8" && peak=$I8 && lk=int8
-        set -- $(bench_median "prefill_tok_s prefill_gops decode_tok_s decode_weight_gbs decode_weight_gbs/bw prefill_gops/$lk" \
+        set -- $(bench_median "prefill_tok_s prefill_gops decode_tok_s decode_weight_gbs decode_weight_gbs/bw prefill_gops/$lk prefill_core_gflops" \
             -m "$M/$name" -p 512 -n 128 --requests 1 -t "$T" $flag)
-        pf=$1; gops=$2; dec=$3; gbs=$4; fbw=$5; fpk=$6
+        pf=$1; gops=$2; dec=$3; gbs=$4; fbw=$5; fpk=$6; cgf=$7
+        # bound: the %peak a prompt would reach with its products at this
+        # peak and the attention core's fp32 flops at the FP32 peak, both
+        # at 100% (the core is exact fp32 whatever the weights)
+        bound=$(awk -v w="$gops" -v c="$cgf" -v p="$peak" -v f="$FP" 'BEGIN { if (w > 0 && f > 0) print 1 / (1 + c / w * p / f); else print 0 }')
         set -- $(bench_median "decode_tok_s decode_steps_weight_gbs decode_steps_weight_gbs/bw decode_alone_weight_gbs/bw" \
             -m "$M/$name" -p 64 -n 64 --requests 16 --concurrency 16 -t "$T" $flag)
         n16=$1; g16=$2; f16=$3; fa16=$4
@@ -134,12 +138,14 @@ for name in $MODELS; do
         # measured beside the runs (their median share of it, f16, is %ceil)
         ceil=$(awk -v n="$n16" -v f="$f16" 'BEGIN { if (f > 0) printf "%.1f", n / f; else print 0 }')
         tf=$(awk -v d="$dec" -v p="$peak" 'BEGIN { printf "%.1f", d / (p / 1000) }')
-        printf '%-9s %-5s | %9.1f %8.1f %7s | %9.1f %8.2f %7s %9s | %9.1f %7s %9.1f %6s %6s\n' "$name" "$q" "$pf" "$gops" "$(pct "$fpk" 1)" \
+        printf '%-9s %-5s | %9.1f %8.1f %7s %6s | %9.1f %8.2f %7s %9s | %9.1f %7s %9.1f %6s %6s\n' "$name" "$q" "$pf" "$gops" "$(pct "$fpk" 1)" "$(pct "$bound" 1)" \
             "$dec" "$gbs" "$(pct "$fbw" 1)" "$tf" $n16 "$(ratio $n16 "$dec")" "$ceil" "$(pct "$f16" 1)" "$(pct "$fa16" 1)"
     done
 done
 echo "(prefill GOP/s = 2 x active parameters but the head x tok/s; GB/s = active weight bytes read per token x tok/s;"
-echo " %peak against the FP32 peak for bf16 and the INT8 peak for int8; tok/s/TF = decode tok/s per TFLOPS of that peak;"
+echo " %peak against the FP32 peak for bf16 and the INT8 peak for int8; bound = the %peak if the products ran at that"
+echo " peak and the attention core's fp32 flops (prefill_core_gflops) at the FP32 peak, both at 100%: what the exact"
+echo " core leaves reachable; tok/s/TF = decode tok/s per TFLOPS of that peak;"
 echo " ceiling = 16-stream tok/s if the weight bytes its steps read -- each distinct expert once per step -- streamed"
 echo " at the read bandwidth; %ceil = 16-stream tok/s against it; alone = the same over the decode steps no prefill"
 echo " step ran beside (the prompts arrive together: many steps share the workers with their prefill, and the last"

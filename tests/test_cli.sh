@@ -141,6 +141,11 @@ if sed 's/^-:/X:/; s/ (.*//' "$out" | cmp -s - "$(sed "s|^$tmp/text.txt:|X:|; s/
 else bad "perplexity of stdin differs from the file's: $(cat "$out")"; fi
 expect 0 "" "$CLI" bench -m "$M" -t 1 -p 8 -n 4 --requests 2 --json
 out_has "^\{.*\"load_s\":[0-9.]+.*\"mem_total_bytes\":[1-9][0-9]*.*\}$"
+# the attention core's flops a prompt token: 2 x 4 heads x (2 x 32 + 8) x
+# (8 + 1) / 2 keys x 3 layers = 7,776 (tiny-dsv3's shapes), per prefilled token/s
+core=$(sed -n 's/.*"prefill_core_gflops":\([0-9.]*\).*"prefill_tok_s":\([0-9.]*\).*/\1 \2/p' "$out")
+if echo "$core" | awk '$2 > 0 { r = $1 * 1e9 / ($2 * 7776); exit !(r > 0.99 && r < 1.01) } { exit 1 }'; then ok
+else bad "prefill_core_gflops is not 7,776 flops a prompt token: $core"; fi
 expect 0 "" "$CLI" info -m "$M" --check-values
 out_has "deepseek_v3"
 expect 2 "cm384 convert: -o FILE.gguf is required" "$CLI" convert -m "$M"
