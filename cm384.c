@@ -5718,13 +5718,14 @@ typedef struct rg_group {
     const struct dev_group *split;   /* work fused for several devices: charged by rows */
     int         n_split;
     const char *name;           /* trace label                                */
+    const char *op;             /* ... and the stage within it (trace args)   */
     int         layer, mb;
     _Atomic uint64_t t0, t1;    /* first task start, last task end (ns)       */
 } rg_group;
 
 /* step: the number of the peer step (lane) the event belongs to, -1 when
  * none (cm384_eval); a peer's own step spans carry theirs. */
-typedef struct trace_event { int device, layer, mb, lane; int64_t step; const char *name; uint64_t t0, t1; } trace_event;
+typedef struct trace_event { int device, layer, mb, lane; int64_t step; const char *name, *op; uint64_t t0, t1; } trace_event;
 #define TRACE_BUF_EVENTS (1 << 16)        /* events held before they go to the file */
 
 typedef struct region {
@@ -5740,6 +5741,7 @@ typedef struct region {
     int        unsized;                    /* it holds tasks of no size                          */
     struct cm384_engine *e;
     const char *name; int layer, mb;     /* label for groups added next     */
+    const char *op;                      /* ... their stage (NULL: none)    */
     const char *broken;        /* an invariant broke: why (see region_break)     */
 } region;
 
@@ -5770,7 +5772,7 @@ static void region_add_sized(region *rg, task_fn fn, void *ctx, int arg, int n, 
     }
     rg_group *g = &rg->g[rg->n_groups++];
     g->fn = fn; g->ctx = ctx; g->arg = arg; g->n = n; g->device = device; g->first = rg->n_tasks;
-    g->name = rg->name; g->layer = rg->layer; g->mb = rg->mb;
+    g->name = rg->name; g->op = rg->op; g->layer = rg->layer; g->mb = rg->mb;
     g->split = NULL; g->n_split = 0;
     atomic_store_explicit(&g->t0, UINT64_MAX, memory_order_relaxed);
     atomic_store_explicit(&g->t1, 0, memory_order_relaxed);
@@ -6234,7 +6236,7 @@ static void region_run(region *rg) {
                 if (e->n_tev == e->cap_tev) trace_flush(e);
                 trace_event *ev = &e->tev[e->n_tev++];
                 ev->device = g->split ? dev_group_device(g->split, k) : g->device;
-                ev->layer = g->layer; ev->mb = g->mb; ev->name = g->name;
+                ev->layer = g->layer; ev->mb = g->mb; ev->name = g->name; ev->op = g->op;
                 ev->lane = rg->lane; ev->step = rg->step;
                 ev->t0 = atomic_load_explicit(&g->t0, memory_order_relaxed);
                 ev->t1 = atomic_load_explicit(&g->t1, memory_order_relaxed);
@@ -6245,6 +6247,7 @@ static void region_run(region *rg) {
     rg->n_groups = rg->n_tasks = 0;
     rg->work = 0;
     rg->unsized = 0;
+    rg->op = NULL;
 }
 
 /* A span on a peer's own track (after the devices'): its steps. */
@@ -7339,12 +7342,14 @@ static int attn_stage(op *o, region *rg) {
     fwd_scratch *s = mb->s;
     int D = hp->dim, H = hp->n_heads, qk = hp->qk_nope + hp->qk_rope, lat = hp->kv_lora + hp->qk_rope;
     const layer_q8 *Q = op_q8(o);
-    rg->name = "attention"; rg->layer = o->layer; rg->mb = mb->index;
+    rg->name = "attention"; rg->layer = o->layer; rg->mb = mb->index; rg->op = NULL;
     for (;;) switch (o->stage++) {
     case 0:
+        rg->op = "residual, norm";
         FOR_GROUPS(mb, g) region_add(rg, t_norm, o, g, mb->groups[g].n, mb->groups[g].device);
         return 1;
     case 1:                                   /* down-projections: q_a (or q) and kv_a */
+        rg->op = "q_a, kv_a";
         mb->pending = PEND_NONE;
         o->n_jobs = 0;
         if (hp->q_lora) op_mm_rows(o, rg, Q ? &Q->wq_a : &L->wq_a, s->xn, s->xnq, s->xns, D, s->qa, hp->q_lora);
@@ -7352,14 +7357,17 @@ static int attn_stage(op *o, region *rg) {
         op_mm_rows(o, rg, Q ? &Q->wkv_a : &L->wkv_a, s->xn, s->xnq, s->xns, D, s->kva, lat);
         return 1;
     case 2:
+        rg->op = "kv write";
         FOR_GROUPS(mb, g) region_add(rg, t_kv_write, o, g, mb->groups[g].n, mb->groups[g].device);
         return 1;
     case 3:
+        rg->op = "q_b";
         if (!hp->q_lora) continue;
         o->n_jobs = 0;
         op_mm_rows(o, rg, Q ? &Q->wq_b : &L->wq_b, s->qa, s->qaq, s->qas, hp->q_lora, s->q, H * qk);
         return 1;
     case 4:
+        rg->op = "absorb W_uk";
         if (o->e->expanded && mb->phase == PHASE_PREFILL && L->w_uk && s->xk && hp->kv_lora >= hp->qk_nope) {   /* qlat holds the queries */
             o->stage = 20;
             continue;
@@ -7367,6 +7375,7 @@ static int attn_stage(op *o, region *rg) {
         op_heads(o, rg, t_absorb, 0);
         return 1;
     case 5:
+        rg->op = "core";
         core_tiles(mb, CORE_TILE);
         {   /* enough tasks for every worker, about two each: when tiles are
                few, their lanes run as tasks of their own (each reads its part
@@ -7392,23 +7401,28 @@ static int attn_stage(op *o, region *rg) {
                        mb->groups[g].device);
         return 1;
     case 6:
+        rg->op = "W_uv";
         op_heads(o, rg, t_uv, 1);
         return 1;
     case 7:
+        rg->op = "quantize";
         if (!Q) continue;
         FOR_GROUPS(mb, g) region_add(rg, t_quant_att, o, g, mb->groups[g].n, mb->groups[g].device);
         return 1;
     case 8:
+        rg->op = "o_proj";
         o->n_jobs = 0;
         op_mm_rows(o, rg, Q ? &Q->wo : &L->wo, s->att, s->attq, s->atts, H * hp->v_head, s->tmp, D);
         return 1;
     /* expanded prefill (instead of 4-6): see t_xattend */
     case 20:
+        rg->op = "expanded: tiles";
         core_tiles(mb, XTILE);
         o->x_r0 = o->x_r1 = o->x_c1 = 0;
         FOR_GROUPS(mb, g) region_add(rg, t_xinit, o, g, s->tile_first[g + 1] - s->tile_first[g], mb->groups[g].device);
         return 1;
     case 21: {
+        rg->op = "expanded: gather";
         if (!xchunk_next(o)) {
             o->stage = 24;
             continue;
@@ -7420,9 +7434,11 @@ static int attn_stage(op *o, region *rg) {
         return 1;
     }
     case 22:
+        rg->op = "expanded: expand";
         region_add(rg, t_xexpand, o, 0, H, o->x_dev);
         return 1;
     case 23:
+        rg->op = "expanded: attend";
         FOR_GROUPS(mb, g) {
             int t0 = s->tile_first[g] > o->x_t0 ? s->tile_first[g] : o->x_t0;
             int t1 = s->tile_first[g + 1] < o->x_t1 ? s->tile_first[g + 1] : o->x_t1;
@@ -7431,6 +7447,7 @@ static int attn_stage(op *o, region *rg) {
         o->stage = 21;
         return 1;
     case 24:
+        rg->op = "expanded: normalize";
         FOR_GROUPS(mb, g) region_add(rg, t_xnorm, o, g, mb->groups[g].n, mb->groups[g].device);
         o->stage = 7;
         return 1;
@@ -7448,21 +7465,25 @@ static int dense_stage(op *o, region *rg) {
     int D = hp->dim, I = hp->inter;
     const layer_q8 *Q = op_q8(o);
     const ffn_w *F = Q ? &Q->dense : &L->dense;
-    rg->name = "ffn"; rg->layer = o->layer; rg->mb = mb->index;
+    rg->name = "ffn"; rg->layer = o->layer; rg->mb = mb->index; rg->op = NULL;
     switch (o->stage++) {
     case 0:
+        rg->op = "residual, norm";
         FOR_GROUPS(mb, g) region_add(rg, t_norm, o, g, mb->groups[g].n, mb->groups[g].device);
         return 1;
     case 1:
+        rg->op = "gate, up";
         mb->pending = PEND_NONE;
         o->n_jobs = 0;
         op_mm_rows(o, rg, &F->gate, s->xn, s->xnq, s->xns, D, s->ffa, I);
         op_mm_rows(o, rg, &F->up, s->xn, s->xnq, s->xns, D, s->ffb, I);
         return 1;
     case 2:
+        rg->op = "SwiGLU";
         FOR_GROUPS(mb, g) region_add(rg, t_silu_group, o, g, mb->groups[g].n, mb->groups[g].device);
         return 1;
     case 3:
+        rg->op = "down";
         o->n_jobs = 0;
         op_mm_rows(o, rg, &F->down, s->ffa, s->ffq, s->ffs, I, s->tmp, D);
         return 1;
@@ -7491,12 +7512,14 @@ static int moe_stage(op *o, region *rg) {
     int as_sent = at_source && e->place[PHASE_DECODE].n_shared > 0;
     int dq = as_sent && e->cfg.int8_dispatch && !Q;
     const float *sh_in = dq ? s->recv_f : s->xn;     /* recv_f is free until the dispatch */
-    rg->name = "moe"; rg->layer = o->layer; rg->mb = mb->index;
+    rg->name = "moe"; rg->layer = o->layer; rg->mb = mb->index; rg->op = NULL;
     for (;;) switch (o->stage++) {
     case 0:
+        rg->op = "residual, norm";
         FOR_GROUPS(mb, g) region_add(rg, dq ? t_norm_dq : t_norm, o, g, mb->groups[g].n, mb->groups[g].device);
         return 1;
     case 1:                                   /* router, and the shared expert at the source */
+        rg->op = "router, shared gate, up";
         mb->pending = PEND_NONE;
         o->n_jobs = 0;
         op_mm_rows(o, rg, &L->router, s->xn, NULL, NULL, D, s->router, E);
@@ -7506,11 +7529,13 @@ static int moe_stage(op *o, region *rg) {
         }
         return 1;
     case 2:
+        rg->op = "route, shared SwiGLU";
         rg->name = "router";
         FOR_GROUPS(mb, g) region_add(rg, t_route, o, g, mb->groups[g].n, mb->groups[g].device);
         if (at_source) FOR_GROUPS(mb, g) region_add(rg, t_silu_group, o, g, mb->groups[g].n, mb->groups[g].device);
         return 1;
     case 3:                                   /* layout, then dispatch */
+        rg->op = "dispatch, shared down";
         moe_layout(o);
         rg->name = "dispatch";
         FOR_GROUPS(mb, g) region_add(rg, t_dispatch, o, g, mb->groups[g].n, mb->groups[g].device);
@@ -7521,6 +7546,7 @@ static int moe_stage(op *o, region *rg) {
        moves: receive 4 + 1 (fp32 in, int8 out), SiLU 3 x 4 (gate, up, out),
        combine 2 x 4 (the output row, read and written) */
     case 4:              /* receivers check every row arrived, then convert rows to what their weights take */
+        rg->op = "receive";
         moe_receive_check(o);
         if (!e->cfg.int8_dispatch == !Q) continue;
         rg->name = "experts";
@@ -7529,6 +7555,7 @@ static int moe_stage(op *o, region *rg) {
                              (size_t)s->entry_count[ord[i]] * (size_t)D * 5);
         return 1;
     case 5:                                   /* each expert over all rows it received */
+        rg->op = "gate, up";
         rg->name = "experts";
         o->n_jobs = 0;
         rg->many_products = 1;
@@ -7542,12 +7569,14 @@ static int moe_stage(op *o, region *rg) {
         rg->many_products = 0;
         return 1;
     case 6:
+        rg->op = "SwiGLU";
         rg->name = "experts";
         for (int i = 0; i < pl->n_entries && ord[i] >= 0; i++)
             region_add_sized(rg, t_silu_entry, o, ord[i], entry_tasks(s, ord[i]), dev[ord[i]],
                              (size_t)s->entry_count[ord[i]] * (size_t)W * 12);
         return 1;
     case 7:
+        rg->op = "down";
         rg->name = "experts";
         o->n_jobs = 0;
         rg->many_products = 1;
@@ -7560,6 +7589,7 @@ static int moe_stage(op *o, region *rg) {
         rg->many_products = 0;
         return 1;
     case 8:
+        rg->op = "combine";
         rg->name = "combine";
         for (int i = 0; i < pl->n_entries && ord[i] >= 0; i++)
             region_add_sized(rg, t_combine, o, ord[i], entry_tasks(s, ord[i]), dev[ord[i]],
@@ -7593,12 +7623,14 @@ static int mtp_in_stage(op *o, region *rg) {
     microbatch *mb = o->mb;
     const cm384_model *m = o->e->m;
     int D = m->hp.dim;
-    rg->name = "mtp"; rg->layer = o->layer; rg->mb = mb->index;
+    rg->name = "mtp"; rg->layer = o->layer; rg->mb = mb->index; rg->op = NULL;
     switch (o->stage++) {
     case 0:
+        rg->op = "norms";
         FOR_GROUPS(mb, g) region_add(rg, t_mtp_in, o, g, mb->groups[g].n, mb->groups[g].device);
         return 1;
     case 1:
+        rg->op = "eh_proj";
         mb->pending = PEND_NONE;
         o->n_jobs = 0;
         {
@@ -7618,9 +7650,10 @@ static int head_stage(op *o, region *rg) {
     microbatch *mb = o->mb;
     fwd_scratch *s = mb->s;
     int D = o->e->m->hp.dim, V = o->head->rows;
-    rg->name = "head"; rg->layer = o->layer; rg->mb = mb->index;
+    rg->name = "head"; rg->layer = o->layer; rg->mb = mb->index; rg->op = NULL;
     switch (o->stage++) {
     case 0: {
+        rg->op = "residual, norm";
         int cnt = 0;
         FOR_GROUPS(mb, g) {
             s->sel_first[g] = cnt;
@@ -7632,6 +7665,7 @@ static int head_stage(op *o, region *rg) {
         return 1;
     }
     case 1:
+        rg->op = "logits";
         mb->pending = PEND_NONE;
         o->n_jobs = 0;
         if (mb->logits && o->e->fuse_groups && mb->n_groups > 1) {   /* the head streamed once, see op_mm_rows */
@@ -9413,7 +9447,7 @@ static void t_sample(void *ctx, int i, int task, int worker) {
 
 static void sample_rows(struct cm384_engine *e, peer *P, request **req, int n) {
     sample_ctx sc = {e, P, req, n};
-    P->rg.name = "sample"; P->rg.layer = -1; P->rg.mb = 0;
+    P->rg.name = "sample"; P->rg.op = "logits to tokens"; P->rg.layer = -1; P->rg.mb = 0;
     for (int i = 0; i < n; i++) region_add(&P->rg, t_sample, &sc, i, 1, req[i]->device >= 0 ? req[i]->device : 0);
     region_run(&P->rg);
 }
@@ -11205,10 +11239,13 @@ static void trace_flush(struct cm384_engine *e) {
         }
         /* args: a device's event says its layer, microbatch and the step
            (peer and number) it ran in; a peer's step span its number */
-        char step[64] = "";
+        char step[96] = "";
+        int sl = 0;
         if (ev->step >= 0 && ev->device < e->n_dev)
-            snprintf(step, sizeof step, ",\"peer\":\"%s\",\"step\":%lld", ev->lane == LANE_DECODE ? "decode" : "prefill",
-                     (long long)ev->step);
+            sl = snprintf(step, sizeof step, ",\"peer\":\"%s\",\"step\":%lld", ev->lane == LANE_DECODE ? "decode" : "prefill",
+                          (long long)ev->step);
+        if (ev->op && ev->device < e->n_dev && sl >= 0 && (size_t)sl < sizeof step)
+            snprintf(step + sl, sizeof step - (size_t)sl, ",\"op\":\"%s\"", ev->op);
         if (ev->device >= e->n_dev)
             ok &= fprintf(f, ",\n{\"name\":\"%s\",\"ph\":\"X\",\"pid\":0,\"tid\":%d,\"ts\":%.3f,\"dur\":%.3f,\"args\":{\"step\":%lld}}",
                           ev->name ? ev->name : "?", ev->device, (ev->t0 - e->t_origin) / 1e3, (ev->t1 - ev->t0) / 1e3,

@@ -410,9 +410,11 @@ typedef struct cm384_config {
     /* observability */
     const char  *trace_path;       /* write a Chrome-trace JSON here (NULL = off):
                                       a track per device (events carry layer,
-                                      microbatch and the peer step they ran in:
-                                      "peer", "step") and one per peer loop (its
-                                      numbered "prefill step" / "decode step" spans) */
+                                      microbatch, the peer step they ran in:
+                                      "peer", "step", and their stage: "op", e.g.
+                                      "q_b", "core", "down") and one per peer loop
+                                      (its numbered "prefill step" / "decode step"
+                                      spans) */
     cm384_log_fn log;              /* topology and memory estimate at creation (a
                                       warning when it exceeds physical memory),
                                       preemptions, expert re-placement (level 1

@@ -490,7 +490,8 @@ static void trace(cm384_model *m) {
        event names its peer's step and lies inside that step's span */
     enum { MAX_STEPS = 4096 };
     static double span_t0[2][MAX_STEPS], span_t1[2][MAX_STEPS];
-    int n_spans[2] = {0, 0}, unnumbered = 0, out_of_order = 0, outside = 0, dev_events = 0;
+    int n_spans[2] = {0, 0}, unnumbered = 0, out_of_order = 0, outside = 0, dev_events = 0, no_op = 0;
+    int core_ops = 0, down_ops = 0;   /* "attention"/"core" and "experts"/"down" events */
     for (int i = 0; ev && i < ev->len; i++) {
         const json *x = &ev->kids[i];
         const char *nm = json_str(x, "name", "");
@@ -506,6 +507,11 @@ static void trace(cm384_model *m) {
         const json *x = &ev->kids[i], *args = json_get(x, "args");
         if (strcmp(json_str(x, "ph", ""), "X") || !json_get(args, "layer")) continue;
         dev_events++;
+        /* each names its stage: the trace tells the core from the products */
+        const char *op = json_str(args, "op", ""), *nm = json_str(x, "name", "");
+        if (!*op) no_op++;
+        core_ops += !strcmp(nm, "attention") && !strcmp(op, "core");
+        down_ops += !strcmp(nm, "experts") && !strcmp(op, "down");
         const char *peer = json_str(args, "peer", "");
         int p = !strcmp(peer, "decode") ? 0 : !strcmp(peer, "prefill") ? 1 : -1, st = (int)json_num(args, "step", -1);
         if (p < 0 || st < 0 || st >= n_spans[p]) { unnumbered++; continue; }
@@ -516,6 +522,9 @@ static void trace(cm384_model *m) {
            n_spans[0], n_spans[1], dev_events, unnumbered, outside, out_of_order);
     CHECK(n_spans[0] >= 4 && n_spans[1] >= 1 && dev_events > 100 && unnumbered == 0 && outside == 0 && out_of_order == 0,
           "trace steps");
+    printf("  stages: %d device events without one, %d attention core and %d expert down-projection events\n", no_op,
+           core_ops, down_ops);
+    CHECK(no_op == 0 && core_ops > 0 && down_ops > 0, "every device event names its stage");
     arena_free(&a);
     unlink(path);
 }
