@@ -537,7 +537,7 @@ static double never_pays(void *user, int rows, int requests, int mtp) { (void)us
 
 static void mtp_gate_cache(cm384_model *m) {
     float *rows[2] = {NULL, NULL};
-    int *cached = NULL, n_cached = 0;
+    int *cached = NULL, n_cached = 0, first_block = -1;
     uint64_t drafted[2] = {0, 0};
     for (int k = 0; k < 2; k++) {                 /* 0: every step drafts, 1: gated */
         cm384_config c;
@@ -565,18 +565,25 @@ static void mtp_gate_cache(cm384_model *m) {
         if (k) {
             cached = malloc(sizeof(int) * (size_t)e->index_cap);
             for (int i = 0; i < e->index_cap; i++) if (e->index[i] >= 0) cached[n_cached++] = e->index[i];
+            /* the block holding the prompt's first tokens: its slot 0 is no
+               MTP row (an MTP layer's position p sits in slot p + 1), never
+               written by either engine, so it is not compared */
+            for (int i = 0; i < n_cached; i++)
+                if (B <= 20 && !memcmp(e->bm[cached[i]].tokens, prompt, sizeof(int32_t) * (size_t)B)) first_block = cached[i];
         }
         cm384_engine_free(e);
         if (!k) continue;
         int same = 0;
         for (int i = 0; i < n_cached; i++) {
-            size_t at = (size_t)cached[i] * bf + (size_t)l * B * row;
-            same += !memcmp(rows[0] + at, rows[1] + at, sizeof(float) * (size_t)B * row);
+            int skip = cached[i] == first_block;
+            size_t at = (size_t)cached[i] * bf + ((size_t)l * B + (size_t)skip) * row;
+            same += !memcmp(rows[0] + at, rows[1] + at, sizeof(float) * (size_t)(B - skip) * row);
         }
         printf("MTP gate and the context cache: %d of %d cached blocks hold the MTP rows of an engine drafting every "
                "step (drafted steps: gated %llu, every step %llu)\n", same, n_cached, (unsigned long long)drafted[1],
                (unsigned long long)drafted[0]);
-        CHECK(n_cached >= 6 && same == n_cached, "%d of %d cached blocks have their MTP rows", same, n_cached);
+        CHECK(n_cached >= 6 && same == n_cached && first_block >= 0, "%d of %d cached blocks have their MTP rows", same,
+              n_cached);
         CHECK(drafted[1] * 4 < drafted[0], "the gate drafted %llu steps of %llu", (unsigned long long)drafted[1],
               (unsigned long long)drafted[0]);
     }
