@@ -7342,7 +7342,7 @@ static int attn_stage(op *o, region *rg) {
     fwd_scratch *s = mb->s;
     int D = hp->dim, H = hp->n_heads, qk = hp->qk_nope + hp->qk_rope, lat = hp->kv_lora + hp->qk_rope;
     const layer_q8 *Q = op_q8(o);
-    rg->name = "attention"; rg->layer = o->layer; rg->mb = mb->index; rg->op = NULL;
+    rg->name = "attention"; rg->layer = o->layer; rg->mb = mb->index;
     for (;;) switch (o->stage++) {
     case 0:
         rg->op = "residual, norm";
@@ -7465,7 +7465,7 @@ static int dense_stage(op *o, region *rg) {
     int D = hp->dim, I = hp->inter;
     const layer_q8 *Q = op_q8(o);
     const ffn_w *F = Q ? &Q->dense : &L->dense;
-    rg->name = "ffn"; rg->layer = o->layer; rg->mb = mb->index; rg->op = NULL;
+    rg->name = "ffn"; rg->layer = o->layer; rg->mb = mb->index;
     switch (o->stage++) {
     case 0:
         rg->op = "residual, norm";
@@ -7512,7 +7512,7 @@ static int moe_stage(op *o, region *rg) {
     int as_sent = at_source && e->place[PHASE_DECODE].n_shared > 0;
     int dq = as_sent && e->cfg.int8_dispatch && !Q;
     const float *sh_in = dq ? s->recv_f : s->xn;     /* recv_f is free until the dispatch */
-    rg->name = "moe"; rg->layer = o->layer; rg->mb = mb->index; rg->op = NULL;
+    rg->name = "moe"; rg->layer = o->layer; rg->mb = mb->index;
     for (;;) switch (o->stage++) {
     case 0:
         rg->op = "residual, norm";
@@ -7623,7 +7623,7 @@ static int mtp_in_stage(op *o, region *rg) {
     microbatch *mb = o->mb;
     const cm384_model *m = o->e->m;
     int D = m->hp.dim;
-    rg->name = "mtp"; rg->layer = o->layer; rg->mb = mb->index; rg->op = NULL;
+    rg->name = "mtp"; rg->layer = o->layer; rg->mb = mb->index;
     switch (o->stage++) {
     case 0:
         rg->op = "norms";
@@ -7650,7 +7650,7 @@ static int head_stage(op *o, region *rg) {
     microbatch *mb = o->mb;
     fwd_scratch *s = mb->s;
     int D = o->e->m->hp.dim, V = o->head->rows;
-    rg->name = "head"; rg->layer = o->layer; rg->mb = mb->index; rg->op = NULL;
+    rg->name = "head"; rg->layer = o->layer; rg->mb = mb->index;
     switch (o->stage++) {
     case 0: {
         rg->op = "residual, norm";
