@@ -169,6 +169,22 @@ static void advise_huge(void *p, size_t n) {
 #endif
 }
 
+/* Faults in every page of [p, p + n) now, writable (config.prefault):
+ * Linux's MADV_POPULATE_WRITE where the kernel has it (5.14+), else a
+ * write to each page, which the engine may make because nothing in the
+ * pool is read before it is written. */
+static void prefault_pages(void *p, size_t n) {
+    if (!n) return;
+    const uintptr_t pg = (uintptr_t)sysconf(_SC_PAGESIZE);
+#if defined(MADV_POPULATE_WRITE)
+    uintptr_t a = (uintptr_t)p & ~(pg - 1), b = ((uintptr_t)p + n + pg - 1) & ~(pg - 1);
+    if (madvise((void *)a, b - a, MADV_POPULATE_WRITE) == 0) return;
+#endif
+    volatile uint8_t *v = p;
+    for (size_t i = 0; i < n; i += pg) v[i] = 0;
+    v[n - 1] = 0;
+}
+
 /* n bytes starting on a 2 MB boundary, advised for huge pages, for weights
  * that decode streams every token (one TLB entry per 2 MB instead of per
  * 4 KB).  Under 2 MB, or in an AddressSanitizer build, a plain malloc.
@@ -11369,6 +11385,7 @@ static int config_resolve(cm384_config *c, const hparams *hp, const char *preset
     RANGE(time_shared, 0, 1);
     RANGE(kv_bf16, 0, 1);
     RANGE(prefill_expanded, 0, 1);
+    RANGE(prefault, 0, 1);
 #undef RANGE
     if (!(c->tpot_target_ms >= 0) || isinf(c->tpot_target_ms))
         return fail(CM384_E_INVALID, "config.tpot_target_ms = %g is not a finite value >= 0", c->tpot_target_ms);
@@ -11605,6 +11622,11 @@ int cm384_engine_create(const cm384_model *m, const cm384_config *cfg, cm384_eng
         if (!e->pool) r = fail(CM384_E_NOMEM, "cannot allocate the pool: %.1f MB", e->pool_bytes / 1e6);
         else {
             advise_huge(e->pool, e->pool_bytes);
+            if (c.prefault) {
+                uint64_t t0 = now_ns();
+                prefault_pages(e->pool, e->pool_bytes);
+                engine_log(e, 1, "pool prefaulted: %.1f MB in %.3f s", e->pool_bytes / 1e6, (now_ns() - t0) / 1e9);
+            }
             cv.base = (uint8_t *)(((uintptr_t)e->pool + 63) & ~(uintptr_t)63); cv.off = 0; carve_pool(e, &cv);
         }
     }

@@ -495,6 +495,15 @@ typedef struct cm384_config {
                                       the shortest TPOT, prompts slow beside a
                                       busy decode.  Scheduling only: never changes
                                       a request's tokens                           */
+    int          prefault;         /* 1: the engine touches every page of its pool
+                                      (KV blocks, scratch) at creation, so no step
+                                      pays a first-touch page fault: the first
+                                      prompts of a fresh engine run at the speed
+                                      of later ones (measured: make bench, section
+                                      3e), and the process holds the whole pool
+                                      from the start, as llama.cpp holds its KV
+                                      cache.  0 (default): pages are touched when
+                                      first used                                    */
 } cm384_config;
 
 CM384_API void cm384_config_init(cm384_config *c);

@@ -39,7 +39,7 @@ typedef struct opts {
     int         n_args;
     int         n_tokens, n_prompt, threads, devices, max_ctx, top, microbatches;
     int         requests, concurrency, tenants, top_k, eplb_period, arrivals, arrival_count;
-    int         bf16_combine, time_shared, skewed, kv_bf16, prefill_expanded;
+    int         bf16_combine, time_shared, skewed, kv_bf16, prefill_expanded, prefault;
     struct { int device, kind; unsigned long long step; } fails[16];   /* --fail, in order */
     int         n_fails;
     int         report, json, int8, int8_dispatch, mtp, bos, quiet, verbose, check_values, progress, no_warmup, no_mmap;
@@ -97,6 +97,7 @@ static const option options[] = {
     {"--no-bf16-combine", C_ENGINE, O_FLAG, F(bf16_combine), 0, 0, -1, NULL, "expert outputs return in fp32 (exact; the default)"},
     {"--kv-bf16", C_ENGINE, O_FLAG, F(kv_bf16), 0, 0, 1, NULL, "keep the KV cache in BF16: half its memory (an approximation; default fp32, exact)"},
     {"--prefill-expanded", C_ENGINE, O_FLAG, F(prefill_expanded), 0, 0, 1, NULL, "prefill attends with K and V expanded per head (DeepSeek's naive MLA): faster long prompts, other rounding than decode (default: absorbed, the same bits everywhere)"},
+    {"--prefault", C_ENGINE, O_FLAG, F(prefault), 0, 0, 1, NULL, "touch the engine's whole pool at creation, so no prompt pays for first touches of memory (default: pages touched when first used)"},
     {"--time-shared", C_ENGINE, O_FLAG, F(time_shared), 0, 0, 1, NULL, "one loop runs a prefill step then a decode step, in turn (default: prefill and decode run as peers)"},
     {"--prefill-share", C_ENGINE, O_FLOAT, F(prefill_share), 0, 0.9, 0, "S", "peers: the share of the cores prefill gets while both have work (default 0: decode first)"},
     {"--cache-dir", C_ENGINE, O_STR, F(cache_dir), 0, 0, 0, "DIR", "the context cache's disk tier (KV blocks kept across runs) and, with --int8, the model cache (INT8 weights saved once, then mapped)"},
@@ -439,6 +440,7 @@ static int make_engine(const opts *o, cm384_model *m, cm384_engine **e) {
     c.prefill_share = o->prefill_share;
     c.kv_bf16 = o->kv_bf16;
     c.prefill_expanded = o->prefill_expanded;
+    c.prefault = o->prefault;
     c.cache_dir = o->cache_dir;
     c.log = on_log;
     c.log_user = (void *)o;

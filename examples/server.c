@@ -713,7 +713,7 @@ static int gen_params_parse(const jval *body, int chat, gen_params *g, char *err
 
 typedef struct {
     const char *model_path, *host, *alias, *preset, *chat_format;
-    int         port, max_conns, threads, devices, max_ctx, max_batch, mtp, int8, kv_bf16, prefill_expanded;
+    int         port, max_conns, threads, devices, max_ctx, max_batch, mtp, int8, kv_bf16, prefill_expanded, prefault;
     double      kv_pool_mib, cache_mib;     /* 0: the engine's defaults; cache < 0: off */
     double      tpot_target_ms, prefill_share;   /* 0: none / the engine's default */
     size_t      max_body, max_header;
@@ -1379,6 +1379,8 @@ static void usage(FILE *f) {
             "  --kv-bf16             keep the KV cache in BF16: twice the context per byte (an approximation)\n"
             "  --prefill-expanded    prompts attend with K and V expanded per head (DeepSeek's naive MLA):\n"
             "                        faster long prompts, other rounding than decode\n"
+            "  --prefault            touch the engine's whole pool at start, so no request pays for\n"
+            "                        first touches of memory\n"
             "  -h, --help            this text\n"
             "\n"
             "Routes:\n"
@@ -1410,6 +1412,7 @@ int main(int argc, char **argv) {
         if (!strcmp(a, "--mtp")) { o->mtp = 1; continue; }
         if (!strcmp(a, "--kv-bf16")) { o->kv_bf16 = 1; continue; }
         if (!strcmp(a, "--prefill-expanded")) { o->prefill_expanded = 1; continue; }
+        if (!strcmp(a, "--prefault")) { o->prefault = 1; continue; }
         if (!v) { fprintf(stderr, "cm384-server: %s needs a value (see --help)\n", a); return 2; }
         i++;
         double x = 0;
@@ -1478,6 +1481,7 @@ int main(int argc, char **argv) {
     cfg.mtp = o->mtp;
     cfg.kv_bf16 = o->kv_bf16;
     cfg.prefill_expanded = o->prefill_expanded;
+    cfg.prefault = o->prefault;
     cfg.max_batch = o->max_batch;
     cfg.tpot_target_ms = o->tpot_target_ms;
     cfg.prefill_share = o->prefill_share;

@@ -11,6 +11,7 @@
 #      3b. llama.cpp's llama-bench on the same weights, when the peer is built
 #      3c. decode after prompts of 16 to 4,000 tokens (what the context costs)
 #      3d. bf16 decode with the files mapped against read into huge pages
+#      3e. INT8 prefill on a fresh engine's pool against a prefaulted one
 #   4. the supernode: decode scaling over 1/4/16/64 streams, the emulation
 #      tax (default topology vs one device), the paper preset
 #   5. context cache and INT8 dispatch
@@ -215,6 +216,27 @@ done
 echo "(a streamed page costs a TLB miss: 4 KB pages for a mapping, 2 MB for memory read in.  INT8 weights, made at"
 echo " load, are always in one huge-page block.  --no-mmap costs the read at load and keeps the weights in the"
 echo " process's own memory rather than the page cache)"
+
+# a fresh engine's prompts write KV blocks no one has touched: each first
+# touch is a page fault the prompt waits for, unless the pool was touched
+# at creation (--prefault); interleaved, as the machine drifts
+echo
+echo "== 3e. INT8 prefill, 4 prompts of 512 tokens one after another: a fresh pool (default) against --prefault; medians of $RUNS"
+printf '%-9s | %9s | %10s | %7s\n' model "fresh/s" "prefault/s" ratio
+for name in $MODELS; do
+    [ -f "$M/$name/config.json" ] || continue
+    a=""; b=""; i=0
+    while [ $i -lt "$RUNS" ]; do
+        a="$a $(jget "$($CLI bench -m "$M/$name" --int8 -p 512 -n 1 --requests 4 --concurrency 1 -t "$T" --json 2>/dev/null)" prefill_tok_s)"
+        b="$b $(jget "$($CLI bench -m "$M/$name" --int8 -p 512 -n 1 --requests 4 --concurrency 1 -t "$T" --prefault --json 2>/dev/null)" prefill_tok_s)"
+        i=$((i + 1))
+    done
+    a=$(echo "$a" | median); b=$(echo "$b" | median)
+    printf '%-9s | %9.1f | %10.1f | %7s\n' "$name" "$a" "$b" "$(ratio "$b" "$a")"
+done
+echo "(the pool's KV blocks and scratch: a prompt of 512 tokens writes fresh KV pages until the context cache"
+echo " holds half the pool; --prefault moves those faults to engine creation, and the process then holds the"
+echo " whole pool)"
 fi
 SM=$M/bench-M
 [ -f "$SM/config.json" ] || SM=$M/bench-S

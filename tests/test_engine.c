@@ -96,6 +96,51 @@ static int same_tokens(const job *a, const job *b) {
 
 static int quick;
 
+/* ---- a prefaulted pool ---- */
+/* config.prefault: every page of the pool is resident once the engine
+ * exists (mincore, where the OS has it), and requests give the tokens a
+ * lazily touched pool gives. */
+static void prefaulted(cm384_model *m) {
+    printf("prefaulted pool:\n");
+    enum { N = 8 };
+    job ref[N], got[N];
+    make_jobs(ref, N, 100, 16);
+    memcpy(got, ref, sizeof ref);
+    cm384_engine *e = engine(m, "default", 2, 0, 2, 0);
+    for (int i = 0; i < N; i++) { reset_outputs(&ref[i], 1); submit_job(e, &ref[i]); }
+    cm384_wait_all(e);
+    cm384_engine_free(e);
+    cm384_config c;
+    cm384_config_init(&c);
+    c.n_workers = 2; c.bf16_combine = -1; c.prefault = 1;
+    c.max_ctx = m->hp.max_pos < 512 ? m->hp.max_pos : 512;
+    e = NULL;
+    CHECK(cm384_engine_create(m, &c, &e) == CM384_OK, "engine with prefault: %s", cm384_last_error());
+    if (!e) return;
+#if defined(__linux__)
+    {
+        const uintptr_t pg = (uintptr_t)sysconf(_SC_PAGESIZE);
+        uintptr_t a = (uintptr_t)e->pool & ~(pg - 1), b = ((uintptr_t)e->pool + e->pool_bytes + pg - 1) & ~(pg - 1);
+        size_t np = (size_t)((b - a) / pg), resident = 0;
+        unsigned char *vec = malloc(np);
+        if (vec && mincore((void *)a, b - a, vec) == 0)
+            for (size_t i = 0; i < np; i++) resident += vec[i] & 1;
+        printf("  %.1f MB pool: %zu of %zu pages resident after creation\n", e->pool_bytes / 1e6, resident, np);
+        CHECK(vec && resident == np, "prefault: %zu of %zu pool pages resident", resident, np);
+        free(vec);
+    }
+#endif
+    for (int i = 0; i < N; i++) { reset_outputs(&got[i], 1); submit_job(e, &got[i]); }
+    cm384_wait_all(e);
+    int same = 0;
+    for (int i = 0; i < N; i++) same += same_tokens(&ref[i], &got[i]) && got[i].status == CM384_OK;
+    printf("  %d/%d requests give the tokens of a lazily touched pool\n", same, N);
+    CHECK(same == N, "prefault: %d/%d requests as without it", same, N);
+    cm384_engine_free(e);
+    c.prefault = 2;
+    CHECK(cm384_engine_create(m, &c, &e) == CM384_E_INVALID && e == NULL, "config.prefault = 2 is refused");
+}
+
 /* ---- exactness matrix ---- */
 static void exactness(cm384_model *m) {
     int N = quick ? 12 : 64;
@@ -624,6 +669,7 @@ TEST_MAIN(engine) {
     caching(m);
     if (!quick) int8_dispatch(m);
     exhaustion(m);
+    prefaulted(m);
     control(m);
     trace(m);
     cm384_model_free(m);
