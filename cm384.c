@@ -6171,6 +6171,11 @@ struct cm384_engine {
     unsigned char    *trace_named;           /* [n_dev + N_LANES] track already named */
     uint64_t          trace_written, trace_lost;   /* events; lost = the file refused them */
     pthread_mutex_t   trace_mu;
+    /* the stage profile (config.profile): a row per (phase, name, op) */
+    int               timed;                 /* tasks record their group's first start and last end */
+    struct stage_row { int phase; const char *name, *op; uint64_t ns, regions; } *prof;
+    int               n_prof;                /* under prof_mu */
+    pthread_mutex_t   prof_mu;
     /* requests (section 12) */
     pthread_mutex_t   mu;                    /* the queues, the live and done lists, stats */
     pthread_cond_t    cv_done;
@@ -6218,7 +6223,7 @@ static void region_task(void *ctx, int t, int worker) {
     struct cm384_engine *e = rg->e;
     if (g->split) charge_split(e, worker, g, t1 - t0);
     else e->busy[(size_t)worker * e->n_dev + g->device] += t1 - t0;
-    if (e->trace) {
+    if (e->timed) {
         uint64_t v = atomic_load_explicit(&g->t0, memory_order_relaxed);
         while (t0 < v && !atomic_compare_exchange_weak_explicit(&g->t0, &v, t0, memory_order_relaxed, memory_order_relaxed)) {}
         v = atomic_load_explicit(&g->t1, memory_order_relaxed);
@@ -6236,6 +6241,53 @@ static void region_task_device(void *ctx, int w, int worker) {
 
 static void trace_flush(struct cm384_engine *e);
 
+/* The profile's row for (phase, name, op), added in the order stages first
+ * run; NULL when the table is full (it holds every stage there is). */
+#define PROFILE_ROWS 128
+static struct stage_row *profile_row(struct cm384_engine *e, int phase, const char *name, const char *op) {
+    for (int i = 0; i < e->n_prof; i++) {
+        struct stage_row *p = &e->prof[i];
+        if (p->phase == phase && p->name == name && p->op == op) return p;
+    }
+    if (e->n_prof == PROFILE_ROWS) return NULL;
+    struct stage_row *p = &e->prof[e->n_prof++];
+    *p = (struct stage_row){phase, name, op, 0, 0};
+    return p;
+}
+
+/* A region's groups into the profile: each (name, op) of each microbatch
+ * counts once, from its first task's start to its last task's end (a
+ * region holds a few of them; groups past PROFILE_KEYS distinct ones count
+ * on their own). */
+#define PROFILE_KEYS 16
+static void profile_add(struct cm384_engine *e, const region *rg) {
+    int phase = rg->lane == LANE_DECODE ? PHASE_DECODE : PHASE_PREFILL, nk = 0;
+    struct { const char *name, *op; int mb; uint64_t t0, t1; } key[PROFILE_KEYS];
+    pthread_mutex_lock(&e->prof_mu);
+    for (int i = 0; i < rg->n_groups; i++) {
+        const rg_group *g = &rg->g[i];
+        uint64_t t0 = atomic_load_explicit(&g->t0, memory_order_relaxed), t1 = atomic_load_explicit(&g->t1, memory_order_relaxed);
+        if (t0 == UINT64_MAX || t1 < t0) continue;          /* it ran no task */
+        int k = 0;
+        while (k < nk && !(key[k].name == g->name && key[k].op == g->op && key[k].mb == g->mb)) k++;
+        if (k < nk) {
+            if (t0 < key[k].t0) key[k].t0 = t0;
+            if (t1 > key[k].t1) key[k].t1 = t1;
+        } else if (nk < PROFILE_KEYS) {
+            key[nk].name = g->name; key[nk].op = g->op; key[nk].mb = g->mb; key[nk].t0 = t0; key[nk].t1 = t1;
+            nk++;
+        } else {
+            struct stage_row *p = profile_row(e, phase, g->name, g->op);
+            if (p) { p->ns += t1 - t0; p->regions++; }
+        }
+    }
+    for (int k = 0; k < nk; k++) {
+        struct stage_row *p = profile_row(e, phase, key[k].name, key[k].op);
+        if (p) { p->ns += key[k].t1 - key[k].t0; p->regions++; }
+    }
+    pthread_mutex_unlock(&e->prof_mu);
+}
+
 static void region_run(region *rg) {
     struct cm384_engine *e = rg->e;
     /* prefill helps its own region only while decode is idle */
@@ -6244,6 +6296,7 @@ static void region_run(region *rg) {
     else if (rg->n_tasks > 0 && helps && !rg->unsized && rg->work < SMALL_WORK_BYTES)
         for (int t = 0; t < rg->n_tasks; t++) region_task(rg, t, rg->caller);   /* less work than a handover */
     else if (rg->n_tasks > 0) lane_run(e->lanes, rg->lane, rg->n_tasks, region_task, rg, rg->caller, helps);
+    if (e->prof) profile_add(e, rg);
     if (e->trace) {
         pthread_mutex_lock(&e->trace_mu);           /* both peers add events */
         for (int i = 0; i < rg->n_groups; i++) {
@@ -11027,7 +11080,36 @@ void cm384_reset_stats(cm384_engine *e) {
     size_t n_load = (size_t)(e->m->hp.n_layers + e->m->hp.n_mtp) * (size_t)(e->m->hp.n_routed > 0 ? e->m->hp.n_routed : 1);
     memset(e->expert_load, 0, 2 * n_load * sizeof(uint64_t));
     memset(e->peers[LANE_DECODE].load_mark, 0, n_load * sizeof(uint64_t));
+    pthread_mutex_lock(&e->prof_mu);
+    e->n_prof = 0;
+    pthread_mutex_unlock(&e->prof_mu);
     peers_resume(e);
+}
+
+int cm384_get_profile(cm384_engine *e, cm384_stage_time *out, int cap) {
+    if (!e || cap < 0 || (cap > 0 && !out))
+        return fail(CM384_E_INVALID, "cm384_get_profile: engine NULL, cap < 0 or out NULL with cap > 0");
+    if (!e->prof) return fail(CM384_E_MISUSE, "cm384_get_profile: the engine was created without config.profile");
+    /* rows are kept by the strings' addresses (cheap on the step's path);
+       here the same text, should a compiler keep two copies, is one row */
+    struct stage_row rows[PROFILE_ROWS];
+    int n = 0;
+    pthread_mutex_lock(&e->prof_mu);
+    for (int i = 0; i < e->n_prof; i++) {
+        const struct stage_row *p = &e->prof[i];
+        int j = 0;
+        while (j < n && !(rows[j].phase == p->phase && !strcmp(rows[j].name ? rows[j].name : "", p->name ? p->name : "") &&
+                          !strcmp(rows[j].op ? rows[j].op : "", p->op ? p->op : "")))
+            j++;
+        if (j == n) rows[n++] = *p;
+        else { rows[j].ns += p->ns; rows[j].regions += p->regions; }
+    }
+    pthread_mutex_unlock(&e->prof_mu);
+    for (int i = 0; i < n && i < cap; i++)
+        out[i] = (cm384_stage_time){rows[i].phase == PHASE_DECODE ? CM384_PHASE_DECODE : CM384_PHASE_PREFILL,
+                                    rows[i].name ? rows[i].name : "", rows[i].op ? rows[i].op : "", rows[i].ns / 1e9,
+                                    rows[i].regions};
+    return n;
 }
 
 
@@ -11357,6 +11439,8 @@ void cm384_engine_free(cm384_engine *e) {
     pthread_mutex_destroy(&e->mu);
     pthread_mutex_destroy(&e->pool_mu);
     pthread_mutex_destroy(&e->trace_mu);
+    pthread_mutex_destroy(&e->prof_mu);
+    CM384_FREE(e->prof);
     pthread_cond_destroy(&e->cv_done);
     CM384_FREE(e);
 }
@@ -11386,6 +11470,7 @@ static int config_resolve(cm384_config *c, const hparams *hp, const char *preset
     RANGE(kv_bf16, 0, 1);
     RANGE(prefill_expanded, 0, 1);
     RANGE(prefault, 0, 1);
+    RANGE(profile, 0, 1);
 #undef RANGE
     if (!(c->tpot_target_ms >= 0) || isinf(c->tpot_target_ms))
         return fail(CM384_E_INVALID, "config.tpot_target_ms = %g is not a finite value >= 0", c->tpot_target_ms);
@@ -11529,6 +11614,7 @@ int cm384_engine_create(const cm384_model *m, const cm384_config *cfg, cm384_eng
     pthread_mutex_init(&e->mu, NULL);
     pthread_mutex_init(&e->pool_mu, NULL);
     pthread_mutex_init(&e->trace_mu, NULL);
+    pthread_mutex_init(&e->prof_mu, NULL);
     pthread_cond_init(&e->cv_done, NULL);
     atomic_init(&e->link_arm, -1);                 /* 12b: no link fault */
     atomic_init(&e->link_drop[0], -1);
@@ -11658,6 +11744,9 @@ int cm384_engine_create(const cm384_model *m, const cm384_config *cfg, cm384_eng
         else trace_open(e);
         e->t_origin = now_ns();
     }
+    if (!r && c.profile && !(e->prof = CM384_CALLOC(PROFILE_ROWS, sizeof *e->prof)))
+        r = fail(CM384_E_NOMEM, "out of memory for the profile");
+    e->timed = e->trace != NULL || e->prof != NULL;
     if (!r) {
         peer *P = &e->peers[LANE_PREFILL], *D = &e->peers[LANE_DECODE];
         if (e->cacher) {

@@ -504,6 +504,12 @@ typedef struct cm384_config {
                                       from the start, as llama.cpp holds its KV
                                       cache.  0 (default): pages are touched when
                                       first used                                    */
+    int          profile;          /* 1: the engine keeps, per peer and stage, the
+                                      time its parallel regions spent in it
+                                      (cm384_get_profile: where a step's time
+                                      goes, without a trace file).  Costs two
+                                      clock reads a task, as a trace does.
+                                      0 (default): off                             */
 } cm384_config;
 
 CM384_API void cm384_config_init(cm384_config *c);
@@ -728,6 +734,30 @@ CM384_API void cm384_reset_stats(cm384_engine *e);
 /* Write a human-readable report (stats, traffic matrix summary, expert-load
  * table) into buf (snprintf convention). */
 CM384_API int  cm384_report(cm384_engine *e, char *buf, size_t cap);
+
+/* The stage profile (config.profile = 1): for each peer (phase) and stage
+ * of a layer operation -- name is the operation ("attention", "experts",
+ * "head", ...), op the stage within it ("q_b", "core", "down", ...), both
+ * static strings, the same as a trace's events -- the time from the first
+ * task's start to the last task's end, summed over every parallel region
+ * that ran it (each microbatch's stages apart), and how many regions did.
+ * Stages run one after another within a peer's step, so with one
+ * microbatch a phase's stage times add up to a little under its busy time
+ * (cm384_stats prefill_seconds / decode_seconds: the rest is the steps' own
+ * bookkeeping and the hand-overs between regions); with two, one
+ * microbatch's attention overlaps the other's MoE.  Entries are in the
+ * order stages first ran.  Returns how many entries there are (writing up
+ * to cap of them; out may be NULL when cap is 0), or CM384_E_INVALID (NULL
+ * engine, cap < 0) or CM384_E_MISUSE (the engine was created without
+ * config.profile).  cm384_reset_stats clears it.  Thread-safe. */
+enum { CM384_PHASE_PREFILL = 0, CM384_PHASE_DECODE = 1 };
+typedef struct cm384_stage_time {
+    int         phase;       /* CM384_PHASE_PREFILL or CM384_PHASE_DECODE      */
+    const char *name, *op;
+    double      seconds;
+    uint64_t    regions;
+} cm384_stage_time;
+CM384_API int  cm384_get_profile(cm384_engine *e, cm384_stage_time *out, int cap);
 
 /* The fabric's traffic matrix on the UB plane: bytes[src * n + dst] is what
  * device src wrote into device dst's buffers (dispatch and combine

@@ -39,7 +39,7 @@ typedef struct opts {
     int         n_args;
     int         n_tokens, n_prompt, threads, devices, max_ctx, top, microbatches;
     int         requests, concurrency, tenants, top_k, eplb_period, arrivals, arrival_count;
-    int         bf16_combine, time_shared, skewed, kv_bf16, prefill_expanded, prefault;
+    int         bf16_combine, time_shared, skewed, kv_bf16, prefill_expanded, prefault, profile;
     struct { int device, kind; unsigned long long step; } fails[16];   /* --fail, in order */
     int         n_fails;
     int         report, json, int8, int8_dispatch, mtp, bos, quiet, verbose, check_values, progress, no_warmup, no_mmap;
@@ -107,6 +107,7 @@ static const option options[] = {
     {"--kernels", C_ENGINE, O_STR, F(kernels), 0, 0, 0, "NAME", "kernel set (default: the best exact one for this CPU; avx512_bf16: native BF16 dot products, approximate)"},
     {"--no-warmup", C_BENCH, O_FLAG, F(no_warmup), 0, 0, 1, NULL, "time from a cold start (default: one untimed request of the same length first, as llama-bench warms up)"},
     {"--trace", C_ENGINE, O_STR, F(trace), 0, 0, 0, "FILE", "write a Chrome trace (open in Perfetto)"},
+    {"--profile", C_BENCH, O_FLAG, F(profile), 0, 0, 1, NULL, "after the report, where each phase's steps spent their time, stage by stage"},
     {"--tpot-target", C_ENGINE, O_FLOAT, F(tpot_target), 0, 1e6, 0, "MS", "SLO: the largest decode batch whose p99 time per output token stays under MS (0: none)"},
     {"--eplb-period", C_ENGINE, O_INT, F(eplb_period), -1, 1000000, 0, "N", "decode steps between EPLB re-placements (default 32; -1: never)"},
     {"-v", C_ENGINE, O_FLAG, F(verbose), 0, 0, 1, NULL, "print the engine's log (topology, memory, preemptions)"},
@@ -441,6 +442,7 @@ static int make_engine(const opts *o, cm384_model *m, cm384_engine **e) {
     c.kv_bf16 = o->kv_bf16;
     c.prefill_expanded = o->prefill_expanded;
     c.prefault = o->prefault;
+    c.profile = o->profile;
     c.cache_dir = o->cache_dir;
     c.log = on_log;
     c.log_user = (void *)o;
@@ -520,6 +522,43 @@ static int print_report(cm384_engine *e) {
     cm384_report(e, buf, (size_t)n + 1);
     fputs(buf, stdout);
     free(buf);
+    return 0;
+}
+
+/* --profile: each phase's stages by time, against its busy time (the
+ * steps' span; what the stages leave is bookkeeping and hand-overs). */
+static int stage_time_desc(const void *a, const void *b) {
+    double x = ((const cm384_stage_time *)a)->seconds, y = ((const cm384_stage_time *)b)->seconds;
+    return x < y ? 1 : x > y ? -1 : 0;
+}
+
+static int print_profile(cm384_engine *e) {
+    int n = cm384_get_profile(e, NULL, 0);
+    if (n < 0) return die("profile", n);
+    cm384_stage_time *t = malloc(sizeof *t * (size_t)(n + 1));
+    if (!t) return die("profile", CM384_E_NOMEM);
+    n = cm384_get_profile(e, t, n);
+    qsort(t, (size_t)n, sizeof *t, stage_time_desc);
+    cm384_stats st = {.struct_size = sizeof st};
+    cm384_get_stats(e, &st);
+    for (int ph = 0; ph < 2; ph++) {
+        double busy = ph == CM384_PHASE_DECODE ? st.decode_seconds : st.prefill_seconds;
+        unsigned long long steps = ph == CM384_PHASE_DECODE ? st.decode_steps : st.prefill_steps;
+        if (busy <= 0 || !steps) continue;
+        printf("\nwhere %s's time went: %llu steps, %.3f ms a step (stages by their time, first task's start to last task's end)\n",
+               ph == CM384_PHASE_DECODE ? "decode" : "prefill", steps, 1e3 * busy / (double)steps);
+        printf("  %-10s %-28s %10s %8s %7s\n", "operation", "stage", "ms/step", "share", "regions");
+        double sum = 0;
+        for (int i = 0; i < n; i++) {
+            if (t[i].phase != ph) continue;
+            sum += t[i].seconds;
+            printf("  %-10s %-28s %10.3f %7.1f%% %7llu\n", t[i].name, t[i].op, 1e3 * t[i].seconds / (double)steps,
+                   100 * t[i].seconds / busy, (unsigned long long)t[i].regions);
+        }
+        printf("  %-39s %10.3f %7.1f%%\n", "(between stages: bookkeeping, hand-overs)",
+               1e3 * (busy - sum) / (double)steps, 100 * (busy - sum) / busy);
+    }
+    free(t);
     return 0;
 }
 
@@ -1092,6 +1131,7 @@ static int cmd_bench(const opts *o) {
                    out.tp50, out.tp99, total_tok_s,
                    o->time_shared ? "time-shared loop" : "peers");
         if (print_report(e)) status = EXIT_RUNTIME;
+        if (o->profile && print_profile(e)) status = EXIT_RUNTIME;
     }
     for (int i = 0; rq && i < R; i++) { free(rq[i].ids); free(rq[i].gaps); }
     free(prefix);

@@ -12,6 +12,7 @@
 #      3c. decode after prompts of 16 to 4,000 tokens (what the context costs)
 #      3d. bf16 decode with the files mapped against read into huge pages
 #      3e. INT8 prefill on a fresh engine's pool against a prefaulted one
+#      3f. where a prefill and a decode step spend their time (--profile)
 #   4. the supernode: decode scaling over 1/4/16/64 streams, the emulation
 #      tax (default topology vs one device), the paper preset
 #   5. context cache and INT8 dispatch
@@ -237,6 +238,19 @@ done
 echo "(the pool's KV blocks and scratch: a prompt of 512 tokens writes fresh KV pages until the context cache"
 echo " holds half the pool; --prefault moves those faults to engine creation, and the process then holds the"
 echo " whole pool)"
+
+# the profile behind the figures above: where a prefill and a decode step
+# spend their time, stage by stage, as the engine's own clock has it
+echo
+echo "== 3f. where a step's time goes: INT8, a 512-token prompt then 128 tokens decoded, 1 stream (--profile, one run)"
+for name in $MODELS; do
+    [ -f "$M/$name/config.json" ] || continue
+    echo "-- $name"
+    $CLI bench -m "$M/$name" --int8 -p 512 -n 128 --requests 1 -t "$T" --prefault --profile 2>/dev/null |
+        sed -n '/^where /,$p' | awk '/^where /{n=0} {n++; if (n <= 12 || /between stages/) print}'
+done
+echo "(each stage: from its first task's start to its last task's end in every region that ran it, summed over the"
+echo " steps; the share is of the phase's busy time; the ten longest shown, then the time between stages)"
 fi
 SM=$M/bench-M
 [ -f "$SM/config.json" ] || SM=$M/bench-S

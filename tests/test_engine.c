@@ -141,6 +141,83 @@ static void prefaulted(cm384_model *m) {
     CHECK(cm384_engine_create(m, &c, &e) == CM384_E_INVALID && e == NULL, "config.prefault = 2 is refused");
 }
 
+/* ---- the stage profile ---- */
+/* config.profile: every stage of both phases is in it, each counted once a
+ * region -- an attention core per layer and step, the head's logits once a
+ * step -- its times within the phase's busy time, the tokens unchanged,
+ * and it is refused where it was not asked for. */
+static void profiled(cm384_model *m) {
+    printf("stage profile:\n");
+    enum { N = 6 };
+    job ref[N], got[N];
+    make_jobs(ref, N, 60, 12);
+    memcpy(got, ref, sizeof ref);
+    cm384_engine *e = engine(m, "default", 2, 0, 1, 0);
+    for (int i = 0; i < N; i++) { reset_outputs(&ref[i], 1); submit_job(e, &ref[i]); }
+    cm384_wait_all(e);
+    cm384_stage_time none[1];
+    CHECK(cm384_get_profile(e, none, 1) == CM384_E_MISUSE, "cm384_get_profile without config.profile is refused");
+    cm384_engine_free(e);
+    cm384_config c;
+    cm384_config_init(&c);
+    c.n_workers = 2; c.bf16_combine = -1; c.profile = 1; c.mtp = with_mtp;
+    c.max_ctx = m->hp.max_pos < 512 ? m->hp.max_pos : 512;
+    e = NULL;
+    CHECK(cm384_engine_create(m, &c, &e) == CM384_OK, "engine with profile: %s", cm384_last_error());
+    if (!e) return;
+    CHECK(cm384_get_profile(e, NULL, 0) == 0, "a new engine's profile is empty");
+    for (int i = 0; i < N; i++) { reset_outputs(&got[i], 1); submit_job(e, &got[i]); }
+    cm384_wait_all(e);
+    int same = 0;
+    for (int i = 0; i < N; i++) same += same_tokens(&ref[i], &got[i]) && got[i].status == CM384_OK;
+    CHECK(same == N, "profile: %d/%d requests give the tokens of an engine without it", same, N);
+    cm384_stats st = {.struct_size = sizeof st};
+    cm384_get_stats(e, &st);
+    int n = cm384_get_profile(e, NULL, 0);
+    cm384_stage_time t[256];
+    CHECK(n > 0 && n <= 256, "profile: %d stages", n);
+    if (n <= 0 || n > 256) { cm384_engine_free(e); return; }
+    CHECK(cm384_get_profile(e, t, 3) == n, "a short buffer still gets the count");
+    CHECK(cm384_get_profile(e, t, n) == n, "profile read back");
+    double sum[2] = {0, 0};
+    uint64_t core[2] = {0, 0}, logits[2] = {0, 0};
+    int dup = 0, bad = 0;
+    for (int i = 0; i < n; i++) {
+        bad += t[i].phase != CM384_PHASE_PREFILL && t[i].phase != CM384_PHASE_DECODE;
+        bad += !t[i].name || !t[i].op || !(t[i].seconds >= 0) || t[i].regions == 0;
+        if (bad) continue;
+        sum[t[i].phase] += t[i].seconds;
+        if (!strcmp(t[i].name, "attention") && !strcmp(t[i].op, "core")) core[t[i].phase] += t[i].regions;
+        if (!strcmp(t[i].name, "head") && !strcmp(t[i].op, "logits")) logits[t[i].phase] += t[i].regions;
+        for (int j = 0; j < i; j++)
+            dup += t[j].phase == t[i].phase && !strcmp(t[j].name, t[i].name) && !strcmp(t[j].op, t[i].op);
+    }
+    CHECK(!bad && !dup, "profile rows: %d malformed, %d repeated", bad, dup);
+    int layers = m->hp.n_layers + (with_mtp ? m->hp.n_mtp : 0);
+    printf("  %d stages; decode: %llu steps, %llu core regions, %llu head regions, %.1f of %.1f ms in stages\n", n,
+           (unsigned long long)st.decode_steps, (unsigned long long)core[1], (unsigned long long)logits[1],
+           1e3 * sum[1], 1e3 * st.decode_seconds);
+    if (!with_mtp) {   /* MTP layers attend in batches of their own (mtp_flush) */
+        CHECK(core[1] == (uint64_t)m->hp.n_layers * st.decode_steps, "decode: %llu core regions, %d layers x %llu steps",
+              (unsigned long long)core[1], layers, (unsigned long long)st.decode_steps);
+        CHECK(logits[1] == st.decode_steps, "decode: %llu head regions in %llu steps", (unsigned long long)logits[1],
+              (unsigned long long)st.decode_steps);
+    }
+    CHECK(core[0] >= (uint64_t)m->hp.n_layers * st.prefill_steps, "prefill: %llu core regions in %llu steps",
+          (unsigned long long)core[0], (unsigned long long)st.prefill_steps);
+    CHECK(sum[1] > 0 && sum[1] <= st.decode_seconds, "decode stages %.3f ms within its busy %.3f ms", 1e3 * sum[1],
+          1e3 * st.decode_seconds);
+    CHECK(sum[0] > 0 && sum[0] <= st.prefill_seconds, "prefill stages %.3f ms within its busy %.3f ms", 1e3 * sum[0],
+          1e3 * st.prefill_seconds);
+    cm384_reset_stats(e);
+    CHECK(cm384_get_profile(e, t, n) == 0, "cm384_reset_stats clears the profile");
+    CHECK(cm384_get_profile(e, NULL, -1) == CM384_E_INVALID && cm384_get_profile(NULL, t, 1) == CM384_E_INVALID &&
+          cm384_get_profile(e, NULL, 1) == CM384_E_INVALID, "cm384_get_profile refuses a NULL engine, cap < 0, NULL out");
+    cm384_engine_free(e);
+    c.profile = 2;
+    CHECK(cm384_engine_create(m, &c, &e) == CM384_E_INVALID && e == NULL, "config.profile = 2 is refused");
+}
+
 /* ---- exactness matrix ---- */
 static void exactness(cm384_model *m) {
     int N = quick ? 12 : 64;
@@ -670,6 +747,7 @@ TEST_MAIN(engine) {
     if (!quick) int8_dispatch(m);
     exhaustion(m);
     prefaulted(m);
+    profiled(m);
     control(m);
     trace(m);
     cm384_model_free(m);
