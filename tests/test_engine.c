@@ -96,6 +96,22 @@ static int same_tokens(const job *a, const job *b) {
 
 static int quick;
 
+/* The config engine() makes with two workers, exact numerics and a short
+ * context, for a test to add its own switch to. */
+static cm384_config small_config(const cm384_model *m) {
+    cm384_config c;
+    cm384_config_init(&c);
+    c.n_workers = 2; c.bf16_combine = -1; c.mtp = with_mtp;
+    c.max_ctx = m->hp.max_pos < 512 ? m->hp.max_pos : 512;
+    return c;
+}
+
+/* Submits n jobs (outputs cleared) and waits for them all. */
+static void run_jobs(cm384_engine *e, job *jobs, int n) {
+    for (int i = 0; i < n; i++) { reset_outputs(&jobs[i], 1); submit_job(e, &jobs[i]); }
+    cm384_wait_all(e);
+}
+
 /* ---- a prefaulted pool ---- */
 /* config.prefault: every page of the pool is resident once the engine
  * exists (mincore, where the OS has it), and requests give the tokens a
@@ -107,13 +123,10 @@ static void prefaulted(cm384_model *m) {
     make_jobs(ref, N, 100, 16);
     memcpy(got, ref, sizeof ref);
     cm384_engine *e = engine(m, "default", 2, 0, 2, 0);
-    for (int i = 0; i < N; i++) { reset_outputs(&ref[i], 1); submit_job(e, &ref[i]); }
-    cm384_wait_all(e);
+    run_jobs(e, ref, N);
     cm384_engine_free(e);
-    cm384_config c;
-    cm384_config_init(&c);
-    c.n_workers = 2; c.bf16_combine = -1; c.prefault = 1;
-    c.max_ctx = m->hp.max_pos < 512 ? m->hp.max_pos : 512;
+    cm384_config c = small_config(m);
+    c.prefault = 1;
     e = NULL;
     CHECK(cm384_engine_create(m, &c, &e) == CM384_OK, "engine with prefault: %s", cm384_last_error());
     if (!e) return;
@@ -130,8 +143,7 @@ static void prefaulted(cm384_model *m) {
         free(vec);
     }
 #endif
-    for (int i = 0; i < N; i++) { reset_outputs(&got[i], 1); submit_job(e, &got[i]); }
-    cm384_wait_all(e);
+    run_jobs(e, got, N);
     int same = 0;
     for (int i = 0; i < N; i++) same += same_tokens(&ref[i], &got[i]) && got[i].status == CM384_OK;
     printf("  %d/%d requests give the tokens of a lazily touched pool\n", same, N);
@@ -153,21 +165,17 @@ static void profiled(cm384_model *m) {
     make_jobs(ref, N, 60, 12);
     memcpy(got, ref, sizeof ref);
     cm384_engine *e = engine(m, "default", 2, 0, 1, 0);
-    for (int i = 0; i < N; i++) { reset_outputs(&ref[i], 1); submit_job(e, &ref[i]); }
-    cm384_wait_all(e);
+    run_jobs(e, ref, N);
     cm384_stage_time none[1];
     CHECK(cm384_get_profile(e, none, 1) == CM384_E_MISUSE, "cm384_get_profile without config.profile is refused");
     cm384_engine_free(e);
-    cm384_config c;
-    cm384_config_init(&c);
-    c.n_workers = 2; c.bf16_combine = -1; c.profile = 1; c.mtp = with_mtp;
-    c.max_ctx = m->hp.max_pos < 512 ? m->hp.max_pos : 512;
+    cm384_config c = small_config(m);
+    c.profile = 1;
     e = NULL;
     CHECK(cm384_engine_create(m, &c, &e) == CM384_OK, "engine with profile: %s", cm384_last_error());
     if (!e) return;
     CHECK(cm384_get_profile(e, NULL, 0) == 0, "a new engine's profile is empty");
-    for (int i = 0; i < N; i++) { reset_outputs(&got[i], 1); submit_job(e, &got[i]); }
-    cm384_wait_all(e);
+    run_jobs(e, got, N);
     int same = 0;
     for (int i = 0; i < N; i++) same += same_tokens(&ref[i], &got[i]) && got[i].status == CM384_OK;
     CHECK(same == N, "profile: %d/%d requests give the tokens of an engine without it", same, N);
