@@ -5911,6 +5911,7 @@ static void region_add_mm(region *rg, int n_workers, mm_job *jb, int device) {
 #define CORE_KEYS 64      /* keys per attention-core chunk (rounded up to whole KV blocks) */
 #define CORE_SLACK 8.0f   /* the core's softmax terms stay below e^8 (see t_core)         */
 #define CORE_LANES 4      /* a query's key chunks go round-robin to this many partial softmaxes */
+#define CORE_ROWP 64      /* latent rows the weighted sum takes a call (by pointer, across KV blocks) */
 #define CORE_SPLIT_TILES 4 /* at most this many tiles have their lanes run as separate tasks */
 #define XKEYS 256         /* expanded prefill: keys expanded at a time (rounded up to whole blocks) */
 #define XTILE 16          /* expanded prefill: queries of one sequence a task takes together */
@@ -6777,13 +6778,18 @@ static void core_lane(op *o, int tile, int h0, int h1, int lane, float *lat, siz
                 }
                 ml[1] += k->exp_sum(p, m, scale, ml[0]);
             }
-            for (int j0 = c0; j0 < c0 + m;) {          /* weighted rows, a block's run at a time */
-                int nk = B - (j0 + sh) % B;
-                if (nk > c0 + m - j0) nk = c0 + m - j0;
-                const void *rows = kv_row(&e->kv, tab, o->layer, j0 + sh);
-                if (bf16) k->axpy_rows_n_bf16(LATENT(h0, q), (int)ldh, rows, lat_w, SC(h0, q) + (j0 - c0), CH, h1 - h0, nk, R);
-                else k->axpy_rows_n(LATENT(h0, q), (int)ldh, rows, lat_w, SC(h0, q) + (j0 - c0), CH, h1 - h0, nk, R);
-                j0 += nk;
+            /* the weighted rows, CORE_ROWP at a time across the chunk's
+               blocks: the sums stay in registers from block to block */
+            for (int j0 = c0; j0 < c0 + m; j0 += CORE_ROWP) {
+                int nk = c0 + m - j0 < CORE_ROWP ? c0 + m - j0 : CORE_ROWP;
+                const void *rp[CORE_ROWP];
+                for (int j = 0; j < nk; j++) rp[j] = kv_row(&e->kv, tab, o->layer, j0 + j + sh);
+                if (bf16)
+                    k->axpy_rowp_n_bf16(LATENT(h0, q), (int)ldh, (const uint16_t *const *)rp, SC(h0, q) + (j0 - c0), CH,
+                                        h1 - h0, nk, R);
+                else
+                    k->axpy_rowp_n(LATENT(h0, q), (int)ldh, (const float *const *)rp, SC(h0, q) + (j0 - c0), CH, h1 - h0,
+                                   nk, R);
             }
         }
         c0 = c1;

@@ -344,28 +344,42 @@ GL_NEON_INLINE float neon_row1(const void *x, size_t i, int bf16) {
     return bf16 ? gl_bf16_to_f32(((const uint16_t *)x)[i]) : ((const float *)x)[i];
 }
 
-GL_NEON_INLINE void neon_axpy_rows_of(float *y, const void *x, int ldx, const float *a, int m, int n, int bf16) {
+/* One head's m fused axpys over rows given by pointers (row j at xr[j]),
+ * 16 columns at a time, then 4, then one. */
+GL_NEON_INLINE void neon_axpy_rowp_of(float *y, const void *const *xr, const float *a, int m, int n, int bf16) {
     int c = 0;
     for (; c + 16 <= n; c += 16) {
         float32x4_t y0 = vld1q_f32(y + c), y1 = vld1q_f32(y + c + 4), y2 = vld1q_f32(y + c + 8), y3 = vld1q_f32(y + c + 12);
         for (int j = 0; j < m; j++) {
-            const size_t xr = (size_t)j * ldx + c;
-            y0 = vfmaq_n_f32(y0, neon_row4(x, xr, bf16), a[j]);
-            y1 = vfmaq_n_f32(y1, neon_row4(x, xr + 4, bf16), a[j]);
-            y2 = vfmaq_n_f32(y2, neon_row4(x, xr + 8, bf16), a[j]);
-            y3 = vfmaq_n_f32(y3, neon_row4(x, xr + 12, bf16), a[j]);
+            const void *row = xr[j];
+            y0 = vfmaq_n_f32(y0, neon_row4(row, c, bf16), a[j]);
+            y1 = vfmaq_n_f32(y1, neon_row4(row, c + 4, bf16), a[j]);
+            y2 = vfmaq_n_f32(y2, neon_row4(row, c + 8, bf16), a[j]);
+            y3 = vfmaq_n_f32(y3, neon_row4(row, c + 12, bf16), a[j]);
         }
         vst1q_f32(y + c, y0); vst1q_f32(y + c + 4, y1); vst1q_f32(y + c + 8, y2); vst1q_f32(y + c + 12, y3);
     }
     for (; c + 4 <= n; c += 4) {
         float32x4_t y0 = vld1q_f32(y + c);
-        for (int j = 0; j < m; j++) y0 = vfmaq_n_f32(y0, neon_row4(x, (size_t)j * ldx + c, bf16), a[j]);
+        for (int j = 0; j < m; j++) y0 = vfmaq_n_f32(y0, neon_row4(xr[j], c, bf16), a[j]);
         vst1q_f32(y + c, y0);
     }
     for (; c < n; c++) {
         float acc = y[c];
-        for (int j = 0; j < m; j++) acc = fmaf(a[j], neon_row1(x, (size_t)j * ldx + c, bf16), acc);
+        for (int j = 0; j < m; j++) acc = fmaf(a[j], neon_row1(xr[j], c, bf16), acc);
         y[c] = acc;
+    }
+}
+
+/* The same over rows at x + j * ldx, GL_ROWP_MAX rows a call (a sum is
+ * stored and reloaded between them, exactly). */
+GL_NEON_INLINE void neon_axpy_rows_of(float *y, const void *x, int ldx, const float *a, int m, int n, int bf16) {
+    const void *xr[GL_ROWP_MAX];
+    const size_t es = bf16 ? 2 : 4;
+    for (int j0 = 0; j0 < m; j0 += GL_ROWP_MAX) {
+        const int mm = m - j0 < GL_ROWP_MAX ? m - j0 : GL_ROWP_MAX;
+        for (int j = 0; j < mm; j++) xr[j] = (const char *)x + (size_t)(j0 + j) * ldx * es;
+        neon_axpy_rowp_of(y, xr, a + j0, mm, n, bf16);
     }
 }
 
@@ -380,6 +394,15 @@ static void neon_axpy_rows_n(float *y, int ldy, const float *x, int ldx, const f
 static void neon_axpy_rows_n_bf16(float *y, int ldy, const uint16_t *x, int ldx, const float *a, int lda, int nh, int m,
                                   int n) {
     for (int h = 0; h < nh; h++) neon_axpy_rows_of(y + (size_t)h * ldy, x, ldx, a + (size_t)h * lda, m, n, 1);
+}
+
+static void neon_axpy_rowp_n(float *y, int ldy, const float *const *xr, const float *a, int lda, int nh, int m, int n) {
+    for (int h = 0; h < nh; h++) neon_axpy_rowp_of(y + (size_t)h * ldy, (const void *const *)xr, a + (size_t)h * lda, m, n, 0);
+}
+
+static void neon_axpy_rowp_n_bf16(float *y, int ldy, const uint16_t *const *xr, const float *a, int lda, int nh, int m,
+                                  int n) {
+    for (int h = 0; h < nh; h++) neon_axpy_rowp_of(y + (size_t)h * ldy, (const void *const *)xr, a + (size_t)h * lda, m, n, 1);
 }
 
 /* e^x on 4 lanes (GL_EXP_* in ggml_like.c says how). */
@@ -502,11 +525,13 @@ static void neon_dot_rows_t_bf16(float *y, int ldy, const float *qt, int ldq, in
 static const gl_kernels gl_neon_kernels = {
     "neon", neon_matmul, neon_matmul_q8_plain, neon_quantize_q8, neon_dot, neon_axpy, neon_axpy_rows,
     neon_axpy_rows_n, neon_exp_sum, neon_silu_mul, neon_dot_rows_t, neon_dot_rows_t_bf16, neon_axpy_rows_n_bf16,
+    neon_axpy_rowp_n, neon_axpy_rowp_n_bf16,
     scalar_transpose,
 };
 static const gl_kernels gl_neon_dot_kernels = {
     "neon_dotprod", neon_matmul, neon_matmul_q8_dot, neon_quantize_q8, neon_dot, neon_axpy, neon_axpy_rows,
     neon_axpy_rows_n, neon_exp_sum, neon_silu_mul, neon_dot_rows_t, neon_dot_rows_t_bf16, neon_axpy_rows_n_bf16,
+    neon_axpy_rowp_n, neon_axpy_rowp_n_bf16,
     scalar_transpose,
 };
 

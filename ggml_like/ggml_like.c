@@ -273,6 +273,32 @@ static void scalar_quantize_q8(const float *x, int n, int cols, int ldx, int8_t 
     }
 }
 
+static void scalar_axpy_rowp_n(float *y, int ldy, const float *const *xr, const float *a, int lda, int nh, int m,
+                               int n) {
+    for (int h = 0; h < nh; h++) {
+        float *yh = y + (size_t)h * ldy;
+        const float *ah = a + (size_t)h * lda;
+        for (int c = 0; c < n; c++) {
+            float acc = yh[c];
+            for (int j = 0; j < m; j++) acc += ah[j] * xr[j][c];
+            yh[c] = acc;
+        }
+    }
+}
+
+static void scalar_axpy_rowp_n_bf16(float *y, int ldy, const uint16_t *const *xr, const float *a, int lda, int nh,
+                                    int m, int n) {
+    for (int h = 0; h < nh; h++) {
+        float *yh = y + (size_t)h * ldy;
+        const float *ah = a + (size_t)h * lda;
+        for (int c = 0; c < n; c++) {
+            float acc = yh[c];
+            for (int j = 0; j < m; j++) acc += ah[j] * gl_bf16_to_f32(xr[j][c]);
+            yh[c] = acc;
+        }
+    }
+}
+
 static void scalar_transpose(float *dst, int ldd, const float *src, int lds, int rows, int cols) {
     for (int c = 0; c < cols; c++)          /* writes in order, reads the rows in step */
         for (int r = 0; r < rows; r++) dst[(size_t)c * ldd + r] = src[(size_t)r * lds + c];
@@ -281,7 +307,7 @@ static void scalar_transpose(float *dst, int ldd, const float *src, int lds, int
 static const gl_kernels gl_scalar_kernels = {
     "scalar", scalar_matmul, scalar_matmul_q8, scalar_quantize_q8, scalar_dot, scalar_axpy, scalar_axpy_rows,
     scalar_axpy_rows_n, scalar_exp_sum, scalar_silu_mul, scalar_dot_rows_t, scalar_dot_rows_t_bf16,
-    scalar_axpy_rows_n_bf16, scalar_transpose,
+    scalar_axpy_rows_n_bf16, scalar_axpy_rowp_n, scalar_axpy_rowp_n_bf16, scalar_transpose,
 };
 
 const gl_kernels *gl_kernels_scalar(void) { return &gl_scalar_kernels; }
@@ -309,6 +335,12 @@ const gl_kernels *gl_kernels_scalar(void) { return &gl_scalar_kernels; }
 #define GL_EXP_C4      4.16666667e-2f
 #define GL_EXP_C3      1.66666667e-1f
 #define GL_EXP_C2      0.5f
+
+/* The SIMD sets' contiguous axpy_rows_n forms take rows this many at a time
+ * through their row-pointer form (axpy_rowp_n): a piece of rows stays in
+ * cache for every head, and a sum is stored and reloaded between pieces
+ * (exactly, so the bits are those of one pass). */
+#define GL_ROWP_MAX 64
 
 #if !defined(GL_NO_SIMD) && (defined(__GNUC__) || defined(__clang__))
 #if defined(__x86_64__) || defined(__i386__)

@@ -182,6 +182,14 @@ typedef struct gl_kernels {
                              int n);
     void  (*axpy_rows_n_bf16)(float *y, int ldy, const uint16_t *x, int ldx, const float *a, int lda, int nh, int m,
                               int n);
+    /* axpy_rows_n (and its bf16 form) over rows given by pointers: row j
+       at xr[j].  The same bits as axpy_rows_n on those rows laid out
+       contiguously.  The attention core's chunk of keys, which spans
+       several KV blocks (not adjacent in memory): one call for the chunk
+       keeps its sums in registers across the blocks. */
+    void  (*axpy_rowp_n)(float *y, int ldy, const float *const *xr, const float *a, int lda, int nh, int m, int n);
+    void  (*axpy_rowp_n_bf16)(float *y, int ldy, const uint16_t *const *xr, const float *a, int lda, int nh, int m,
+                              int n);
     /* dst[c*ldd + r] = src[r*lds + c], r < rows, c < cols (exact: a copy).
        The attention core lays its queries out this way for dot_rows_t. */
     void  (*transpose)(float *dst, int ldd, const float *src, int lds, int rows, int cols);

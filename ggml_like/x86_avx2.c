@@ -391,34 +391,44 @@ GL_AVX2_INLINE __m256 avx2_bf16x8(const uint16_t *p) {
     return _mm256_castsi256_ps(_mm256_slli_epi32(_mm256_cvtepu16_epi32(_mm_loadu_si128((const __m128i *)p)), 16));
 }
 
-GL_AVX2_INLINE void avx2_axpy_rows_bf16(float *y, const uint16_t *x, int ldx, const float *a, int m, int n) {
-    int c = 0;
+GL_AVX2_INLINE __m256 avx2_row8(const void *x, size_t i, int bf16) {
+    return bf16 ? avx2_bf16x8((const uint16_t *)x + i) : _mm256_loadu_ps((const float *)x + i);
+}
+
+/* One head's m fused axpys over rows given by pointers (row j at xr[j]),
+ * columns [c0, n): 8 at a time, the tail as avx2_axpy_rows and
+ * avx2_axpy_rows_bf16 take theirs (the same bits). */
+GL_AVX2_INLINE void avx2_axpy_rowp(float *y, const void *const *xr, int c0, const float *a, int m, int n, int bf16) {
+    int c = c0;
     for (; c + 8 <= n; c += 8) {
         __m256 y0 = _mm256_loadu_ps(y + c);
-        for (int j = 0; j < m; j++) y0 = _mm256_fmadd_ps(_mm256_set1_ps(a[j]), avx2_bf16x8(x + (size_t)j * ldx + c), y0);
+        for (int j = 0; j < m; j++) y0 = _mm256_fmadd_ps(_mm256_set1_ps(a[j]), avx2_row8(xr[j], c, bf16), y0);
         _mm256_storeu_ps(y + c, y0);
     }
-    if (c < n) {   /* the tail widened through the stack (no 16-bit masked loads) */
+    if (c < n) {
         __m256i mask = avx2_tail_mask(n - c);
         __m256 y0 = _mm256_maskload_ps(y + c, mask);
         for (int j = 0; j < m; j++) {
-            float t[8] = {0};
-            for (int i = 0; i < n - c; i++) t[i] = gl_bf16_to_f32(x[(size_t)j * ldx + c + i]);
-            y0 = _mm256_fmadd_ps(_mm256_set1_ps(a[j]), _mm256_loadu_ps(t), y0);
+            __m256 xv;
+            if (bf16) {   /* widened through the stack (no 16-bit masked loads) */
+                float t[8] = {0};
+                for (int i = 0; i < n - c; i++) t[i] = gl_bf16_to_f32(((const uint16_t *)xr[j])[c + i]);
+                xv = _mm256_loadu_ps(t);
+            } else {
+                xv = _mm256_maskload_ps((const float *)xr[j] + c, mask);
+            }
+            y0 = _mm256_fmadd_ps(_mm256_set1_ps(a[j]), xv, y0);
         }
         _mm256_maskstore_ps(y + c, mask, y0);
     }
 }
 
-GL_AVX2_INLINE __m256 avx2_row8(const void *x, size_t i, int bf16) {
-    return bf16 ? avx2_bf16x8((const uint16_t *)x + i) : _mm256_loadu_ps((const float *)x + i);
-}
-
 /* Four outputs at a time over 16 columns: each x vector loaded serves four
  * heads (the rows of a KV block stay in L1 once, not once per head).  Every
  * element is still y = fma(a_j, x_j, y) for j in order, as avx2_axpy_rows --
- * on fp32 rows, or on bf16 rows widened in registers (the same bits). */
-GL_AVX2_INLINE void avx2_axpy_rows_n_of(float *y, int ldy, const void *x, int ldx, const float *a, int lda, int nh,
+ * on fp32 rows, or on bf16 rows widened in registers (the same bits).  Rows
+ * by pointer, so a chunk of keys spread over KV blocks is one call. */
+GL_AVX2_INLINE void avx2_axpy_rowp_n_of(float *y, int ldy, const void *const *xr, const float *a, int lda, int nh,
                                         int m, int n, int bf16) {
     int h = 0;
     for (; h + 4 <= nh; h += 4) {
@@ -431,8 +441,7 @@ GL_AVX2_INLINE void avx2_axpy_rows_n_of(float *y, int ldy, const void *x, int ld
             __m256 s20 = _mm256_loadu_ps(y2 + c), s21 = _mm256_loadu_ps(y2 + c + 8);
             __m256 s30 = _mm256_loadu_ps(y3 + c), s31 = _mm256_loadu_ps(y3 + c + 8);
             for (int j = 0; j < m; j++) {
-                const size_t xr = (size_t)j * ldx + c;
-                const __m256 x0 = avx2_row8(x, xr, bf16), x1 = avx2_row8(x, xr + 8, bf16);
+                const __m256 x0 = avx2_row8(xr[j], c, bf16), x1 = avx2_row8(xr[j], c + 8, bf16);
                 __m256 v = _mm256_set1_ps(a0[j]);
                 s00 = _mm256_fmadd_ps(v, x0, s00); s01 = _mm256_fmadd_ps(v, x1, s01);
                 v = _mm256_set1_ps(a1[j]);
@@ -448,14 +457,21 @@ GL_AVX2_INLINE void avx2_axpy_rows_n_of(float *y, int ldy, const void *x, int ld
             _mm256_storeu_ps(y3 + c, s30); _mm256_storeu_ps(y3 + c + 8, s31);
         }
         if (c < n)   /* the last columns, a head at a time */
-            for (int k = 0; k < 4; k++) {
-                if (bf16) avx2_axpy_rows_bf16(y + (size_t)(h + k) * ldy + c, (const uint16_t *)x + c, ldx, a + (size_t)(h + k) * lda, m, n - c);
-                else avx2_axpy_rows(y + (size_t)(h + k) * ldy + c, (const float *)x + c, ldx, a + (size_t)(h + k) * lda, m, n - c);
-            }
+            for (int k = 0; k < 4; k++) avx2_axpy_rowp(y + (size_t)(h + k) * ldy, xr, c, a + (size_t)(h + k) * lda, m, n, bf16);
     }
-    for (; h < nh; h++) {
-        if (bf16) avx2_axpy_rows_bf16(y + (size_t)h * ldy, x, ldx, a + (size_t)h * lda, m, n);
-        else avx2_axpy_rows(y + (size_t)h * ldy, x, ldx, a + (size_t)h * lda, m, n);
+    for (; h < nh; h++) avx2_axpy_rowp(y + (size_t)h * ldy, xr, 0, a + (size_t)h * lda, m, n, bf16);
+}
+
+/* The same over rows at x + j * ldx, GL_ROWP_MAX rows a call (a sum is
+ * stored and reloaded between them, exactly). */
+GL_AVX2_INLINE void avx2_axpy_rows_n_of(float *y, int ldy, const void *x, int ldx, const float *a, int lda, int nh,
+                                        int m, int n, int bf16) {
+    const void *xr[GL_ROWP_MAX];
+    const size_t es = bf16 ? 2 : 4;
+    for (int j0 = 0; j0 < m; j0 += GL_ROWP_MAX) {
+        const int mm = m - j0 < GL_ROWP_MAX ? m - j0 : GL_ROWP_MAX;
+        for (int j = 0; j < mm; j++) xr[j] = (const char *)x + (size_t)(j0 + j) * ldx * es;
+        avx2_axpy_rowp_n_of(y, ldy, xr, a + j0, lda, nh, mm, n, bf16);
     }
 }
 
@@ -467,6 +483,16 @@ static GL_AVX2 void avx2_axpy_rows_n(float *y, int ldy, const float *x, int ldx,
 static GL_AVX2 void avx2_axpy_rows_n_bf16(float *y, int ldy, const uint16_t *x, int ldx, const float *a, int lda,
                                           int nh, int m, int n) {
     avx2_axpy_rows_n_of(y, ldy, x, ldx, a, lda, nh, m, n, 1);
+}
+
+static GL_AVX2 void avx2_axpy_rowp_n(float *y, int ldy, const float *const *xr, const float *a, int lda, int nh, int m,
+                                     int n) {
+    avx2_axpy_rowp_n_of(y, ldy, (const void *const *)xr, a, lda, nh, m, n, 0);
+}
+
+static GL_AVX2 void avx2_axpy_rowp_n_bf16(float *y, int ldy, const uint16_t *const *xr, const float *a, int lda,
+                                          int nh, int m, int n) {
+    avx2_axpy_rowp_n_of(y, ldy, (const void *const *)xr, a, lda, nh, m, n, 1);
 }
 
 /* e^x on 8 lanes (GL_EXP_* in ggml_like.c says how). */
@@ -705,19 +731,19 @@ static GL_AVX2 void avx2_dot_rows_t(float *y, int ldy, const float *qt, int ldq,
 static const gl_kernels gl_avx2_kernels = {
     "avx2", avx2_matmul, avx2_matmul_q8, avx2_quantize_q8, avx2_dot, avx2_axpy, avx2_axpy_rows, avx2_axpy_rows_n,
     avx2_exp_sum, avx2_silu_mul, avx2_dot_rows_t, avx2_dot_rows_t_bf16, avx2_axpy_rows_n_bf16,
-    scalar_transpose,
+    avx2_axpy_rowp_n, avx2_axpy_rowp_n_bf16, scalar_transpose,
 };
 
 /* The VNNI sets differ from AVX2 only in the W8A8 matmul. */
 static const gl_kernels gl_avx_vnni_kernels = {
     "avx_vnni", avx2_matmul, vnni_matmul_q8, avx2_quantize_q8, avx2_dot, avx2_axpy, avx2_axpy_rows, avx2_axpy_rows_n,
     avx2_exp_sum, avx2_silu_mul, avx2_dot_rows_t, avx2_dot_rows_t_bf16, avx2_axpy_rows_n_bf16,
-    scalar_transpose,
+    avx2_axpy_rowp_n, avx2_axpy_rowp_n_bf16, scalar_transpose,
 };
 static const gl_kernels gl_avx512_vnni_kernels = {
     "avx512_vnni", avx512_matmul, evex_matmul_q8, avx2_quantize_q8, avx2_dot, avx2_axpy, avx2_axpy_rows, avx2_axpy_rows_n,
     avx2_exp_sum, avx2_silu_mul, avx2_dot_rows_t, avx2_dot_rows_t_bf16, avx2_axpy_rows_n_bf16,
-    scalar_transpose,
+    avx2_axpy_rowp_n, avx2_axpy_rowp_n_bf16, scalar_transpose,
 };
 
 /* bf16 (shifted into the top half) or f16 (F16C) to fp32, 8 at a time;

@@ -730,23 +730,25 @@ GL_A512_INLINE __m512 a512_bf16x16(const uint16_t *p, __mmask16 k) {
     return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(k, p)), 16));
 }
 
-GL_A512_INLINE void a512_axpy_rows_bf16(float *y, const uint16_t *x, int ldx, const float *a, int m, int n) {
-    for (int c = 0; c < n; c += 16) {
-        __mmask16 k = n - c >= 16 ? (__mmask16)0xffff : a512_mask16(n - c);
-        __m512 y0 = _mm512_maskz_loadu_ps(k, y + c);
-        for (int j = 0; j < m; j++) y0 = _mm512_fmadd_ps(_mm512_set1_ps(a[j]), a512_bf16x16(x + (size_t)j * ldx + c, k), y0);
-        _mm512_mask_storeu_ps(y + c, k, y0);
-    }
-}
-
 GL_A512_INLINE __m512 a512_row16(const void *x, size_t i, __mmask16 k, int bf16) {
     return bf16 ? a512_bf16x16((const uint16_t *)x + i, k) : _mm512_maskz_loadu_ps(k, (const float *)x + i);
+}
+
+/* One head's m fused axpys over rows given by pointers (row j at xr[j]),
+ * columns [c0, n) 16 at a time, the last ones masked. */
+GL_A512_INLINE void a512_axpy_rowp(float *y, const void *const *xr, int c0, const float *a, int m, int n, int bf16) {
+    for (int c = c0; c < n; c += 16) {
+        __mmask16 k = n - c >= 16 ? (__mmask16)0xffff : a512_mask16(n - c);
+        __m512 y0 = _mm512_maskz_loadu_ps(k, y + c);
+        for (int j = 0; j < m; j++) y0 = _mm512_fmadd_ps(_mm512_set1_ps(a[j]), a512_row16(xr[j], c, k, bf16), y0);
+        _mm512_mask_storeu_ps(y + c, k, y0);
+    }
 }
 
 /* Four heads' sums over columns [c, c + 64): 16 accumulators, so each x
  * vector loaded serves four heads and each weight broadcast four vectors --
  * half a load per FMA. */
-GL_A512_INLINE void a512_axpy4x64(float *y, int ldy, const void *x, int ldx, const float *a, int lda, int m, int c,
+GL_A512_INLINE void a512_axpy4x64(float *y, int ldy, const void *const *xr, const float *a, int lda, int m, int c,
                                   int bf16) {
     const __mmask16 all = 0xffff;
     const float *a0 = a, *a1 = a0 + lda, *a2 = a1 + lda, *a3 = a2 + lda;
@@ -760,9 +762,9 @@ GL_A512_INLINE void a512_axpy4x64(float *y, int ldy, const void *x, int ldx, con
         _mm512_storeu_ps(yk + 32, s##2); _mm512_storeu_ps(yk + 48, s##3); } while (0)
     A512_LD4(s0, y0); A512_LD4(s1, y1); A512_LD4(s2, y2); A512_LD4(s3, y3);
     for (int j = 0; j < m; j++) {    /* named sums: an array of them made gcc store each step */
-        const size_t xr = (size_t)j * ldx + c;
-        const __m512 x0 = a512_row16(x, xr, all, bf16), x1 = a512_row16(x, xr + 16, all, bf16);
-        const __m512 x2 = a512_row16(x, xr + 32, all, bf16), x3 = a512_row16(x, xr + 48, all, bf16);
+        const void *row = xr[j];
+        const __m512 x0 = a512_row16(row, c, all, bf16), x1 = a512_row16(row, c + 16, all, bf16);
+        const __m512 x2 = a512_row16(row, c + 32, all, bf16), x3 = a512_row16(row, c + 48, all, bf16);
         A512_FMA4(s0, a0); A512_FMA4(s1, a1); A512_FMA4(s2, a2); A512_FMA4(s3, a3);
     }
     A512_ST4(s0, y0); A512_ST4(s1, y1); A512_ST4(s2, y2); A512_ST4(s3, y3);
@@ -771,11 +773,13 @@ GL_A512_INLINE void a512_axpy4x64(float *y, int ldy, const void *x, int ldx, con
 #undef A512_ST4
 }
 
-/* Four outputs (heads) at a time over 32 columns: each x vector loaded
- * serves four heads.  Every element is y = fma(a_j, x_j, y) for j in order,
- * as a512_axpy_rows -- on fp32 rows, or on bf16 rows widened in registers
- * (axpy_rows_n_bf16: the same bits as on the widened rows, half the bytes). */
-GL_A512_INLINE void a512_axpy_rows_n_of(float *y, int ldy, const void *x, int ldx, const float *a, int lda, int nh,
+/* Four outputs (heads) at a time over 64 columns, then 32, then a head at a
+ * time: each x vector loaded serves four heads.  Every element is y =
+ * fma(a_j, x_j, y) for j in order, as a512_axpy_rows -- on fp32 rows, or on
+ * bf16 rows widened in registers (the same bits as on the widened rows,
+ * half the bytes).  Rows by pointer, so a chunk of keys spread over KV
+ * blocks is one call: its sums stay in registers across the blocks. */
+GL_A512_INLINE void a512_axpy_rowp_n_of(float *y, int ldy, const void *const *xr, const float *a, int lda, int nh,
                                         int m, int n, int bf16) {
     const __mmask16 all = 0xffff;
     /* 64 columns at a time, every group of four heads in turn: the rows'
@@ -783,7 +787,7 @@ GL_A512_INLINE void a512_axpy_rows_n_of(float *y, int ldy, const void *x, int ld
     const int c64 = nh >= 4 ? n / 64 * 64 : 0;
     for (int c = 0; c < c64; c += 64)
         for (int h = 0; h + 4 <= nh; h += 4)
-            a512_axpy4x64(y + (size_t)h * ldy, ldy, x, ldx, a + (size_t)h * lda, lda, m, c, bf16);
+            a512_axpy4x64(y + (size_t)h * ldy, ldy, xr, a + (size_t)h * lda, lda, m, c, bf16);
     int h = 0;
     for (; h + 4 <= nh; h += 4) {
         float *y0 = y + (size_t)h * ldy, *y1 = y0 + ldy, *y2 = y1 + ldy, *y3 = y2 + ldy;
@@ -795,8 +799,7 @@ GL_A512_INLINE void a512_axpy_rows_n_of(float *y, int ldy, const void *x, int ld
             __m512 s20 = _mm512_loadu_ps(y2 + c), s21 = _mm512_loadu_ps(y2 + c + 16);
             __m512 s30 = _mm512_loadu_ps(y3 + c), s31 = _mm512_loadu_ps(y3 + c + 16);
             for (int j = 0; j < m; j++) {
-                const size_t xr = (size_t)j * ldx + c;
-                const __m512 x0 = a512_row16(x, xr, all, bf16), x1 = a512_row16(x, xr + 16, all, bf16);
+                const __m512 x0 = a512_row16(xr[j], c, all, bf16), x1 = a512_row16(xr[j], c + 16, all, bf16);
                 __m512 v = _mm512_set1_ps(a0[j]);
                 s00 = _mm512_fmadd_ps(v, x0, s00); s01 = _mm512_fmadd_ps(v, x1, s01);
                 v = _mm512_set1_ps(a1[j]);
@@ -812,14 +815,22 @@ GL_A512_INLINE void a512_axpy_rows_n_of(float *y, int ldy, const void *x, int ld
             _mm512_storeu_ps(y3 + c, s30); _mm512_storeu_ps(y3 + c + 16, s31);
         }
         if (c < n)   /* the last columns, a head at a time */
-            for (int k = 0; k < 4; k++) {
-                if (bf16) a512_axpy_rows_bf16(y + (size_t)(h + k) * ldy + c, (const uint16_t *)x + c, ldx, a + (size_t)(h + k) * lda, m, n - c);
-                else a512_axpy_rows(y + (size_t)(h + k) * ldy + c, (const float *)x + c, ldx, a + (size_t)(h + k) * lda, m, n - c);
-            }
+            for (int k = 0; k < 4; k++) a512_axpy_rowp(y + (size_t)(h + k) * ldy, xr, c, a + (size_t)(h + k) * lda, m, n, bf16);
     }
-    for (; h < nh; h++) {
-        if (bf16) a512_axpy_rows_bf16(y + (size_t)h * ldy, x, ldx, a + (size_t)h * lda, m, n);
-        else a512_axpy_rows(y + (size_t)h * ldy, x, ldx, a + (size_t)h * lda, m, n);
+    for (; h < nh; h++) a512_axpy_rowp(y + (size_t)h * ldy, xr, 0, a + (size_t)h * lda, m, n, bf16);
+}
+
+/* The same over rows at x + j * ldx: GL_ROWP_MAX rows a call (a sum is
+ * stored and reloaded between them, exactly), so each piece of rows stays
+ * in cache for every head. */
+GL_A512_INLINE void a512_axpy_rows_n_of(float *y, int ldy, const void *x, int ldx, const float *a, int lda, int nh,
+                                        int m, int n, int bf16) {
+    const void *xr[GL_ROWP_MAX];
+    const size_t es = bf16 ? 2 : 4;
+    for (int j0 = 0; j0 < m; j0 += GL_ROWP_MAX) {
+        const int mm = m - j0 < GL_ROWP_MAX ? m - j0 : GL_ROWP_MAX;
+        for (int j = 0; j < mm; j++) xr[j] = (const char *)x + (size_t)(j0 + j) * ldx * es;
+        a512_axpy_rowp_n_of(y, ldy, xr, a + j0, lda, nh, mm, n, bf16);
     }
 }
 
@@ -831,6 +842,16 @@ static GL_A512 void a512_axpy_rows_n(float *y, int ldy, const float *x, int ldx,
 static GL_A512 void a512_axpy_rows_n_bf16(float *y, int ldy, const uint16_t *x, int ldx, const float *a, int lda,
                                           int nh, int m, int n) {
     a512_axpy_rows_n_of(y, ldy, x, ldx, a, lda, nh, m, n, 1);
+}
+
+static GL_A512 void a512_axpy_rowp_n(float *y, int ldy, const float *const *xr, const float *a, int lda, int nh, int m,
+                                     int n) {
+    a512_axpy_rowp_n_of(y, ldy, (const void *const *)xr, a, lda, nh, m, n, 0);
+}
+
+static GL_A512 void a512_axpy_rowp_n_bf16(float *y, int ldy, const uint16_t *const *xr, const float *a, int lda,
+                                          int nh, int m, int n) {
+    a512_axpy_rowp_n_of(y, ldy, (const void *const *)xr, a, lda, nh, m, n, 1);
 }
 
 /* e^x on 16 lanes: avx2_exp's steps, op for op (so each value has the same
@@ -1148,7 +1169,7 @@ static GL_A512 void a512_transpose(float *dst, int ldd, const float *src, int ld
 static const gl_kernels gl_avx512_kernels = {
     "avx512", a512_matmul, a512_matmul_q8, a512_quantize_q8, a512_dot, a512_axpy, a512_axpy_rows, a512_axpy_rows_n,
     a512_exp_sum, a512_silu_mul, a512_dot_rows_t, a512_dot_rows_t_bf16, a512_axpy_rows_n_bf16,
-    a512_transpose,
+    a512_axpy_rowp_n, a512_axpy_rowp_n_bf16, a512_transpose,
 };
 
 /* ---- opt-in: native BF16 dot products (AVX512_BF16) ----
@@ -1303,5 +1324,5 @@ static void a512bf_matmul(const gl_mat *w, const float *x, int n, int ldx, float
 static const gl_kernels gl_avx512_bf16_kernels = {
     "avx512_bf16", a512bf_matmul, a512_matmul_q8, a512_quantize_q8, a512_dot, a512_axpy, a512_axpy_rows,
     a512_axpy_rows_n, a512_exp_sum, a512_silu_mul, a512_dot_rows_t, a512_dot_rows_t_bf16, a512_axpy_rows_n_bf16,
-    a512_transpose,
+    a512_axpy_rowp_n, a512_axpy_rowp_n_bf16, a512_transpose,
 };

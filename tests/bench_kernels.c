@@ -461,9 +461,11 @@ static double peak_measure(void *ctx) { peak_ctx *c = ctx; return peak_once(c->L
  * A tile of 4 queries x 16 heads (64 lanes) against a 512-key latent cache
  * of 576-wide rows (MLA: kv_lora 512 + rope 64), a KV block of 16 rows per
  * call: the scores (dot_rows_t), then the weighted latents over the first
- * 512 columns (axpy_rows_n, 16 heads per call).  A task per tile, every
- * worker on its own tiles over one shared cache, as t_core runs them. */
-enum { CORE_L = 64, CORE_KEYS_B = 512, CORE_W = 576, CORE_R = 512, CORE_BLK = 16, CORE_TILES = 64 };
+ * 512 columns (axpy_rowp_n, 16 heads and a chunk of 64 keys per call, the
+ * rows by pointer as the core passes them across KV blocks).  A task per
+ * tile, every worker on its own tiles over one shared cache, as t_core runs
+ * them. */
+enum { CORE_L = 64, CORE_KEYS_B = 512, CORE_W = 576, CORE_R = 512, CORE_BLK = 16, CORE_CHUNK = 64, CORE_TILES = 64 };
 typedef struct { const gl_kernels *k; const float *qt, *kv; float *sc, *lat; int which; } core_bench;
 static void core_task(void *ctx, int task, int worker) {
     core_bench *c = ctx;
@@ -474,9 +476,12 @@ static void core_task(void *ctx, int task, int worker) {
             c->k->dot_rows_t(sc + j, CORE_KEYS_B, c->qt, CORE_L, CORE_L, c->kv + (size_t)j * CORE_W, CORE_W, CORE_BLK, CORE_W);
     else
         for (int q = 0; q < CORE_L / 16; q++)
-            for (int j = 0; j < CORE_KEYS_B; j += CORE_BLK)
-                c->k->axpy_rows_n(lat + (size_t)q * 16 * CORE_R, CORE_R, c->kv + (size_t)j * CORE_W, CORE_W,
-                                  sc + (size_t)q * 16 * CORE_KEYS_B + j, CORE_KEYS_B, 16, CORE_BLK, CORE_R);
+            for (int j = 0; j < CORE_KEYS_B; j += CORE_CHUNK) {
+                const float *rp[CORE_CHUNK];
+                for (int i = 0; i < CORE_CHUNK; i++) rp[i] = c->kv + (size_t)(j + i) * CORE_W;
+                c->k->axpy_rowp_n(lat + (size_t)q * 16 * CORE_R, CORE_R, rp, sc + (size_t)q * 16 * CORE_KEYS_B + j,
+                                  CORE_KEYS_B, 16, CORE_CHUNK, CORE_R);
+            }
 }
 typedef struct { core_bench c; gl_pool *p; } core_run_ctx;
 static double core_gflops(void *ctx) {
@@ -671,7 +676,7 @@ int main(int argc, char **argv) {
             core_run_ctx cr = {{k, qt, kv, sc, lat, which}, pn};
             core_gflops(&cr);   /* warm up */
             snprintf(what, sizeof what, "attention core %s, 64 lanes x 512 keys",
-                     which == 0 ? "scores (dot_rows_t)" : "latents (axpy_rows_n)");
+                     which == 0 ? "scores (dot_rows_t)" : "latents (axpy_rowp_n)");
             paired(what, "GFLOP/s", "fp32 FMA peak", 5, core_gflops, &cr, peak_measure, &pc);
         }
         free(qt); free(kv); free(sc); free(lat);

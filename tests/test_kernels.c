@@ -363,6 +363,24 @@ static void test_axpy_rows(const gl_kernels *k) {
             check(same, "%s: axpy_rows_n n=%d heads=%d differs from axpy_rows", k->name, n, nh);
         }
     free(a); free(yn); free(yr);
+    /* more rows than the SIMD sets take a call (GL_ROWP_MAX = 64): the
+       pieces' sums are stored and reloaded, the bits those of one pass */
+    {
+        enum { MM = 150, NN = 100, LDA = MM + 2 };
+        float *xl = xmalloc((size_t)MM * NN * sizeof(float)), *al = xmalloc((size_t)4 * LDA * sizeof(float));
+        float *y4 = xmalloc((size_t)4 * NN * sizeof(float)), *y1s = xmalloc((size_t)4 * NN * sizeof(float));
+        for (int i = 0; i < MM * NN; i++) xl[i] = rng_unif();
+        for (int i = 0; i < 4 * LDA; i++) al[i] = rng_unif();
+        static const int mls[] = {63, 64, 65, 128, 150};
+        for (size_t mi = 0; mi < sizeof mls / sizeof *mls; mi++) {
+            for (int i = 0; i < 4 * NN; i++) y4[i] = y1s[i] = rng_unif();
+            k->axpy_rows_n(y4, NN, xl, NN, al, LDA, 4, mls[mi], NN);
+            for (int h = 0; h < 4; h++) k->axpy_rows(y1s + (size_t)h * NN, xl, NN, al + (size_t)h * LDA, mls[mi], NN);
+            check(!memcmp(y4, y1s, (size_t)4 * NN * sizeof(float)), "%s: axpy_rows_n m=%d differs from axpy_rows",
+                  k->name, mls[mi]);
+        }
+        free(xl); free(al); free(y4); free(y1s);
+    }
     free(x); free(p); free(y); free(y1); free(ys);
 }
 
@@ -468,6 +486,60 @@ static void test_bf16_rows(const gl_kernels *k) {
                 free(qt); free(y1); free(y2);
             }
             free(xh); free(xf);
+        }
+}
+
+/* axpy_rowp_n (and its bf16 form), rows by pointer: the same bits as
+ * axpy_rows_n on the same rows laid out contiguously, for rows that lie
+ * apart (each allocated alone, with its exact size, so a read past one is
+ * caught under ASan), in any order in memory, every head count with and
+ * without a remainder of 4, widths with vector tails, and more rows than
+ * the contiguous form takes in one piece. */
+static void test_rowp(const gl_kernels *k) {
+    check(k->axpy_rowp_n && k->axpy_rowp_n_bf16, "%s: has no row-pointer kernels", k->name);
+    if (!k->axpy_rowp_n || !k->axpy_rowp_n_bf16) return;
+    static const int ns[] = {1, 7, 19, 33, 64, 100, 512}, ms[] = {1, 5, 16, 47, 64, 70}, nhs[] = {1, 3, 4, 7, 16, 17};
+    enum { MMAX = 70 };
+    for (size_t ni = 0; ni < sizeof ns / sizeof *ns; ni++)
+        for (size_t mi = 0; mi < sizeof ms / sizeof *ms; mi++) {
+            int n = ns[ni], m = ms[mi], ldx = n + 3;
+            float *xf = xmalloc((size_t)m * ldx * sizeof(float));
+            uint16_t *xh = xmalloc((size_t)m * ldx * sizeof(uint16_t));
+            float *rf[MMAX];
+            uint16_t *rh[MMAX];
+            for (int j = 0; j < m; j++) {   /* allocated in reverse, so the rows run backwards if anything */
+                int jj = m - 1 - j;
+                rf[jj] = xmalloc((size_t)n * sizeof(float));
+                rh[jj] = xmalloc((size_t)n * sizeof(uint16_t));
+            }
+            for (int j = 0; j < m; j++)
+                for (int c = 0; c < n; c++) {
+                    uint16_t h = gl_f32_to_bf16(rng_unif() * ((j + c) % 7 == 0 ? 1e-3f : 3.0f));
+                    rh[j][c] = xh[(size_t)j * ldx + c] = h;
+                    rf[j][c] = xf[(size_t)j * ldx + c] = rng_unif();
+                }
+            for (size_t hi = 0; hi < sizeof nhs / sizeof *nhs; hi++) {
+                int nh = nhs[hi], lda = m + 2, ldy = n + 5;
+                float *a = xmalloc((size_t)nh * lda * sizeof(float));
+                float *y1 = xmalloc((size_t)nh * ldy * sizeof(float)), *y2 = xmalloc((size_t)nh * ldy * sizeof(float));
+                for (int i = 0; i < nh * lda; i++) a[i] = rng_unif();
+                for (int bf = 0; bf < 2; bf++) {
+                    for (int i = 0; i < nh * ldy; i++) y1[i] = y2[i] = rng_unif();
+                    if (bf) {
+                        k->axpy_rows_n_bf16(y1, ldy, xh, ldx, a, lda, nh, m, n);
+                        k->axpy_rowp_n_bf16(y2, ldy, (const uint16_t *const *)rh, a, lda, nh, m, n);
+                    } else {
+                        k->axpy_rows_n(y1, ldy, xf, ldx, a, lda, nh, m, n);
+                        k->axpy_rowp_n(y2, ldy, (const float *const *)rf, a, lda, nh, m, n);
+                    }
+                    check(!memcmp(y1, y2, (size_t)nh * ldy * sizeof(float)),
+                          "%s: axpy_rowp_n%s n=%d m=%d heads=%d differs from axpy_rows_n", k->name, bf ? "_bf16" : "", n,
+                          m, nh);
+                }
+                free(a); free(y1); free(y2);
+            }
+            for (int j = 0; j < m; j++) { free(rf[j]); free(rh[j]); }
+            free(xf); free(xh);
         }
 }
 
@@ -1102,6 +1174,7 @@ int main(int argc, char **argv) {
         test_dot_rows_t(sets[s]);
         test_transpose(sets[s]);
         test_bf16_rows(sets[s]);
+        test_rowp(sets[s]);
         test_exp_silu(sets[s]);
         test_matmul_vs_scalar(sets[s]);
         test_q8_extremes(sets[s]);
@@ -1119,6 +1192,7 @@ int main(int argc, char **argv) {
             test_q8_extremes(bf);
             test_dot_rows_t(bf);
             test_bf16_rows(bf);
+            test_rowp(bf);
             test_invariance(bf, pool2, pool4);
         }
 #if defined(GL_HAVE_AVX2)
