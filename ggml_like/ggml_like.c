@@ -187,19 +187,6 @@ static void scalar_dot_rows_t_bf16(float *y, int ldy, const float *qt, int ldq, 
     }
 }
 
-static void scalar_axpy_rows_n_bf16(float *y, int ldy, const uint16_t *x, int ldx, const float *a, int lda, int nh,
-                                    int m, int n) {
-    for (int h = 0; h < nh; h++) {
-        float *yh = y + (size_t)h * ldy;
-        const float *ah = a + (size_t)h * lda;
-        for (int c = 0; c < n; c++) {
-            float acc = yh[c];
-            for (int j = 0; j < m; j++) acc += ah[j] * gl_bf16_to_f32(x[(size_t)j * ldx + c]);
-            yh[c] = acc;
-        }
-    }
-}
-
 /* Weight rows converted to fp32 a slab of columns at a time and dotted with
  * up to 16 x rows, so a row of any width needs only stack scratch.  The lane
  * of column c is c % GL_LANES, as in scalar_dot, and the accumulators carry
@@ -273,30 +260,42 @@ static void scalar_quantize_q8(const float *x, int n, int cols, int ldx, int8_t 
     }
 }
 
-static void scalar_axpy_rowp_n(float *y, int ldy, const float *const *xr, const float *a, int lda, int nh, int m,
-                               int n) {
+/* axpy_rows_n's forms: rows of fp32 or (bf16) of bf16 values, at x + j *
+ * ldx or (xr) by pointer. */
+static const void *scalar_row_at(const void *x, int ldx, const void *const *xr, int j, int bf16) {
+    if (xr) return xr[j];
+    return (const char *)x + (size_t)j * ldx * (bf16 ? 2 : 4);
+}
+
+static void scalar_axpy_n_of(float *y, int ldy, const void *x, int ldx, const void *const *xr, const float *a, int lda,
+                             int nh, int m, int n, int bf16) {
     for (int h = 0; h < nh; h++) {
         float *yh = y + (size_t)h * ldy;
         const float *ah = a + (size_t)h * lda;
         for (int c = 0; c < n; c++) {
             float acc = yh[c];
-            for (int j = 0; j < m; j++) acc += ah[j] * xr[j][c];
+            for (int j = 0; j < m; j++) {
+                const void *row = scalar_row_at(x, ldx, xr, j, bf16);
+                acc += ah[j] * (bf16 ? gl_bf16_to_f32(((const uint16_t *)row)[c]) : ((const float *)row)[c]);
+            }
             yh[c] = acc;
         }
     }
 }
 
+static void scalar_axpy_rows_n_bf16(float *y, int ldy, const uint16_t *x, int ldx, const float *a, int lda, int nh,
+                                    int m, int n) {
+    scalar_axpy_n_of(y, ldy, x, ldx, NULL, a, lda, nh, m, n, 1);
+}
+
+static void scalar_axpy_rowp_n(float *y, int ldy, const float *const *xr, const float *a, int lda, int nh, int m,
+                               int n) {
+    scalar_axpy_n_of(y, ldy, NULL, 0, (const void *const *)xr, a, lda, nh, m, n, 0);
+}
+
 static void scalar_axpy_rowp_n_bf16(float *y, int ldy, const uint16_t *const *xr, const float *a, int lda, int nh,
                                     int m, int n) {
-    for (int h = 0; h < nh; h++) {
-        float *yh = y + (size_t)h * ldy;
-        const float *ah = a + (size_t)h * lda;
-        for (int c = 0; c < n; c++) {
-            float acc = yh[c];
-            for (int j = 0; j < m; j++) acc += ah[j] * gl_bf16_to_f32(xr[j][c]);
-            yh[c] = acc;
-        }
-    }
+    scalar_axpy_n_of(y, ldy, NULL, 0, (const void *const *)xr, a, lda, nh, m, n, 1);
 }
 
 static void scalar_transpose(float *dst, int ldd, const float *src, int lds, int rows, int cols) {
