@@ -527,12 +527,14 @@ static const gl_kernels gl_neon_kernels = {
     neon_axpy_rows_n, neon_exp_sum, neon_silu_mul, neon_dot_rows_t, neon_dot_rows_t_bf16, neon_axpy_rows_n_bf16,
     neon_axpy_rowp_n, neon_axpy_rowp_n_bf16,
     scalar_transpose,
+    NULL, NULL, NULL,   /* no native-BF16 core */
 };
 static const gl_kernels gl_neon_dot_kernels = {
     "neon_dotprod", neon_matmul, neon_matmul_q8_dot, neon_quantize_q8, neon_dot, neon_axpy, neon_axpy_rows,
     neon_axpy_rows_n, neon_exp_sum, neon_silu_mul, neon_dot_rows_t, neon_dot_rows_t_bf16, neon_axpy_rows_n_bf16,
     neon_axpy_rowp_n, neon_axpy_rowp_n_bf16,
     scalar_transpose,
+    NULL, NULL, NULL,   /* no native-BF16 core */
 };
 
 /* ---- CPU features ---- */

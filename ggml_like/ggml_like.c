@@ -307,6 +307,7 @@ static const gl_kernels gl_scalar_kernels = {
     "scalar", scalar_matmul, scalar_matmul_q8, scalar_quantize_q8, scalar_dot, scalar_axpy, scalar_axpy_rows,
     scalar_axpy_rows_n, scalar_exp_sum, scalar_silu_mul, scalar_dot_rows_t, scalar_dot_rows_t_bf16,
     scalar_axpy_rows_n_bf16, scalar_axpy_rowp_n, scalar_axpy_rowp_n_bf16, scalar_transpose,
+    NULL, NULL, NULL,   /* no native-BF16 core */
 };
 
 const gl_kernels *gl_kernels_scalar(void) { return &gl_scalar_kernels; }
@@ -340,6 +341,7 @@ const gl_kernels *gl_kernels_scalar(void) { return &gl_scalar_kernels; }
  * cache for every head, and a sum is stored and reloaded between pieces
  * (exactly, so the bits are those of one pass). */
 #define GL_ROWP_MAX 64
+#define GL_ROWP_PAIRS (GL_ROWP_MAX / 2)   /* axpy_rowp_n_bf16p: row pairs a piece */
 
 #if !defined(GL_NO_SIMD) && (defined(__GNUC__) || defined(__clang__))
 #if defined(__x86_64__) || defined(__i386__)

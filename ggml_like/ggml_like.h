@@ -193,6 +193,26 @@ typedef struct gl_kernels {
     /* dst[c*ldd + r] = src[r*lds + c], r < rows, c < cols (exact: a copy).
        The attention core lays its queries out this way for dot_rows_t. */
     void  (*transpose)(float *dst, int ldd, const float *src, int lds, int rows, int cols);
+    /* The attention core in native BF16 over a bf16 latent cache: NULL in
+       every set but the opt-in "avx512_bf16", whose vdpbf16ps multiplies
+       pairs of bf16 values -- the fp32 operands are rounded to bf16 (nearest
+       even), an error of up to 2^-9 relative per product, at twice the FMA
+       rate.  round_pairs_bf16 packs rows 2p and 2p + 1 of src ([n][lds], n
+       rows of cols values) into dst[p*ldd + l] = bf16(src[2p][l]) | bf16(
+       src[2p+1][l]) << 16 (0 past the last row).  dot_rows_tp_bf16 is
+       dot_rows_t_bf16 on queries so packed (qp: (n + 1) / 2 rows of ldq
+       pairs): each sum one chain over the element pairs in increasing
+       order, the same bits whatever m, nl or the lane's place.
+       axpy_rowp_n_bf16p is axpy_rowp_n_bf16 with the weights a rounded to
+       bf16 and taken two rows at a time (rows 2p and 2p + 1 of each call,
+       then 64 rows on, the last one alone when m is odd): the same bits
+       whatever nh or the head's place, and for a run of rows split into
+       calls at even offsets. */
+    void  (*round_pairs_bf16)(uint32_t *dst, int ldd, const float *src, int lds, int n, int cols);
+    void  (*dot_rows_tp_bf16)(float *y, int ldy, const uint32_t *qp, int ldq, int nl, const uint16_t *x, int ldx,
+                              int m, int n);
+    void  (*axpy_rowp_n_bf16p)(float *y, int ldy, const uint16_t *const *xr, const float *a, int lda, int nh, int m,
+                               int n);
 } gl_kernels;
 
 /* The best kernel set for this CPU (cpuid / hwcap probed once, then cached). */

@@ -732,6 +732,7 @@ static const gl_kernels gl_avx2_kernels = {
     "avx2", avx2_matmul, avx2_matmul_q8, avx2_quantize_q8, avx2_dot, avx2_axpy, avx2_axpy_rows, avx2_axpy_rows_n,
     avx2_exp_sum, avx2_silu_mul, avx2_dot_rows_t, avx2_dot_rows_t_bf16, avx2_axpy_rows_n_bf16,
     avx2_axpy_rowp_n, avx2_axpy_rowp_n_bf16, scalar_transpose,
+    NULL, NULL, NULL,   /* no native-BF16 core */
 };
 
 /* The VNNI sets differ from AVX2 only in the W8A8 matmul. */
@@ -739,11 +740,13 @@ static const gl_kernels gl_avx_vnni_kernels = {
     "avx_vnni", avx2_matmul, vnni_matmul_q8, avx2_quantize_q8, avx2_dot, avx2_axpy, avx2_axpy_rows, avx2_axpy_rows_n,
     avx2_exp_sum, avx2_silu_mul, avx2_dot_rows_t, avx2_dot_rows_t_bf16, avx2_axpy_rows_n_bf16,
     avx2_axpy_rowp_n, avx2_axpy_rowp_n_bf16, scalar_transpose,
+    NULL, NULL, NULL,   /* no native-BF16 core */
 };
 static const gl_kernels gl_avx512_vnni_kernels = {
     "avx512_vnni", avx512_matmul, evex_matmul_q8, avx2_quantize_q8, avx2_dot, avx2_axpy, avx2_axpy_rows, avx2_axpy_rows_n,
     avx2_exp_sum, avx2_silu_mul, avx2_dot_rows_t, avx2_dot_rows_t_bf16, avx2_axpy_rows_n_bf16,
     avx2_axpy_rowp_n, avx2_axpy_rowp_n_bf16, scalar_transpose,
+    NULL, NULL, NULL,   /* no native-BF16 core */
 };
 
 /* bf16 (shifted into the top half) or f16 (F16C) to fp32, 8 at a time;

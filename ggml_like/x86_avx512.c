@@ -1170,6 +1170,7 @@ static const gl_kernels gl_avx512_kernels = {
     "avx512", a512_matmul, a512_matmul_q8, a512_quantize_q8, a512_dot, a512_axpy, a512_axpy_rows, a512_axpy_rows_n,
     a512_exp_sum, a512_silu_mul, a512_dot_rows_t, a512_dot_rows_t_bf16, a512_axpy_rows_n_bf16,
     a512_axpy_rowp_n, a512_axpy_rowp_n_bf16, a512_transpose,
+    NULL, NULL, NULL,   /* no native-BF16 core */
 };
 
 /* ---- opt-in: native BF16 dot products (AVX512_BF16) ----
@@ -1321,8 +1322,191 @@ static void a512bf_matmul(const gl_mat *w, const float *x, int n, int ldx, float
     else a512_matmul(w, x, n, ldx, y, ldy, r0, r1);
 }
 
+/* The attention core in native BF16 (the round_pairs_bf16, dot_rows_tp_bf16
+ * and axpy_rowp_n_bf16p entries): over a bf16 latent cache, the queries
+ * and the softmax weights are rounded to bf16 and multiplied a pair of
+ * elements at a time by vdpbf16ps.  The scores pair the latent's elements
+ * (a key's pair is one 32-bit broadcast from the cache row); the weighted
+ * sums pair the keys, so two rows are interleaved in registers
+ * (vpunpcklwd/hwd, within 128-bit lanes), and the sums live in that
+ * permuted column order, put back when stored. */
+static GL_A512BF void a512bf_round_pairs(uint32_t *dst, int ldd, const float *src, int lds, int n, int cols) {
+    /* element 2i of the result from a (low half of cvtne2ps), 2i + 1 from b */
+    const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8,
+                                         23, 7, 22, 6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+    for (int p = 0; 2 * p < n; p++) {
+        const float *r0 = src + (size_t)2 * p * lds, *r1 = 2 * p + 1 < n ? r0 + lds : NULL;
+        uint32_t *d = dst + (size_t)p * ldd;
+        for (int l = 0; l < cols; l += 16) {
+            const __mmask16 k = cols - l >= 16 ? (__mmask16)0xffff : a512_mask16(cols - l);
+            const __m512 a = _mm512_maskz_loadu_ps(k, r0 + l), b = r1 ? _mm512_maskz_loadu_ps(k, r1 + l) : _mm512_setzero_ps();
+            const __m512i v = _mm512_permutexvar_epi16(idx, (__m512i)_mm512_cvtne2ps_pbh(b, a));
+            _mm512_mask_storeu_epi32(d + l, k, v);
+        }
+    }
+}
+
+/* Pair p of a bf16 row of n elements, broadcast: the last one alone
+ * (paired with 0) when n is odd, so nothing past the row is read. */
+GL_A512BF_INLINE __m512bh a512bf_xpair(const uint16_t *x, int p, int n) {
+    uint32_t d;
+    if (2 * p + 1 < n) memcpy(&d, x + 2 * p, 4);
+    else d = x[2 * p];
+    return (__m512bh)_mm512_set1_epi32((int32_t)d);
+}
+
+/* Scores: NR rows against NG vectors of 16 lanes (NR x NG sums). */
+GL_A512BF_INLINE void a512bf_dot_tile(const uint32_t *qp, size_t ldq, __mmask16 mk, const uint16_t *x, size_t ldx,
+                                      int n, float *y, int ldy, int nl, const int NR, const int NG) {
+    __m512 acc[16][4];
+#pragma GCC unroll 16
+    for (int r = 0; r < NR; r++)
+#pragma GCC unroll 4
+        for (int g = 0; g < NG; g++) acc[r][g] = _mm512_setzero_ps();
+    const int np = (n + 1) / 2;
+    for (int p = 0; p < np; p++) {
+        __m512bh q[4];
+#pragma GCC unroll 4
+        for (int g = 0; g < NG; g++)
+            q[g] = (__m512bh)(NG == 1 ? _mm512_maskz_loadu_epi32(mk, qp + (size_t)p * ldq)
+                                      : _mm512_loadu_si512(qp + (size_t)p * ldq + 16 * g));
+#pragma GCC unroll 16
+        for (int r = 0; r < NR; r++) {
+            const __m512bh b = a512bf_xpair(x + (size_t)r * ldx, p, n);
+#pragma GCC unroll 4
+            for (int g = 0; g < NG; g++) acc[r][g] = _mm512_dpbf16_ps(acc[r][g], q[g], b);
+        }
+    }
+#pragma GCC unroll 4
+    for (int g = 0; g < NG; g++) {
+        __m512 v[16];
+#pragma GCC unroll 16
+        for (int r = 0; r < NR; r++) v[r] = acc[r][g];
+        a512_store_rows_t(v, NR, y + (size_t)16 * g * ldy, ldy, NG == 1 ? nl : 16);
+    }
+}
+
+static GL_A512BF void a512bf_dot_rows_tp(float *y, int ldy, const uint32_t *qp, int ldq, int nl, const uint16_t *x,
+                                         int ldx, int m, int n) {
+    int l0 = 0;
+    for (; l0 + 64 <= nl && m >= 4; l0 += 64) {   /* 64 lanes x 4 rows: half a load per product */
+        int j = 0;
+        for (; j + 4 <= m; j += 4)
+            a512bf_dot_tile(qp + l0, (size_t)ldq, 0xffff, x + (size_t)j * ldx, (size_t)ldx, n,
+                            y + (size_t)l0 * ldy + j, ldy, 64, 4, 4);
+        for (; j < m; j++)
+            a512bf_dot_tile(qp + l0, (size_t)ldq, 0xffff, x + (size_t)j * ldx, (size_t)ldx, n,
+                            y + (size_t)l0 * ldy + j, ldy, 64, 1, 4);
+    }
+    for (; l0 < nl; l0 += 16) {                    /* 16 lanes x 16, 4, 1 rows */
+        const int nw = nl - l0 < 16 ? nl - l0 : 16;
+        const __mmask16 mk = nw == 16 ? (__mmask16)0xffff : a512_mask16(nw);
+        const uint32_t *q = qp + l0;
+        float *yl = y + (size_t)l0 * ldy;
+        int j = 0;
+        for (; j + 16 <= m; j += 16) a512bf_dot_tile(q, (size_t)ldq, mk, x + (size_t)j * ldx, (size_t)ldx, n, yl + j, ldy, nw, 16, 1);
+        for (; j + 4 <= m; j += 4) a512bf_dot_tile(q, (size_t)ldq, mk, x + (size_t)j * ldx, (size_t)ldx, n, yl + j, ldy, nw, 4, 1);
+        for (; j < m; j++) a512bf_dot_tile(q, (size_t)ldq, mk, x + (size_t)j * ldx, (size_t)ldx, n, yl + j, ldy, nw, 1, 1);
+    }
+}
+
+/* Weighted sums: NH heads (ap: their weight pairs, ldap apart) over NW
+ * units of 32 columns from c (nc of them in all, the last unit masked),
+ * the m rows xr[] two at a time.  A unit's sums are two vectors: columns
+ * 0-3, 8-11, 16-19, 24-27 of it (lo) and 4-7, ... , 28-31 (hi), the order
+ * vpunpck*wd leaves the interleaved rows in. */
+GL_A512BF_INLINE void a512bf_axpy_tile(float *y, int ldy, const uint16_t *const *xr, const uint32_t *ap, int ldap,
+                                       int m, int c, int nc, const int NH, const int NW) {
+    const __m512i to_lo = _mm512_set_epi32(27, 26, 25, 24, 19, 18, 17, 16, 11, 10, 9, 8, 3, 2, 1, 0);
+    const __m512i to_hi = _mm512_set_epi32(31, 30, 29, 28, 23, 22, 21, 20, 15, 14, 13, 12, 7, 6, 5, 4);
+    const __m512i back0 = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+    const __m512i back1 = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+    __mmask32 kx[2];
+    __mmask16 ky[2][2];
+#pragma GCC unroll 2
+    for (int u = 0; u < NW; u++) {
+        const int left = nc - 32 * u;
+        kx[u] = left >= 32 ? (__mmask32)0xffffffffu : (__mmask32)((1u << left) - 1u);
+        ky[u][0] = left >= 16 ? (__mmask16)0xffff : a512_mask16(left);
+        ky[u][1] = left >= 32 ? (__mmask16)0xffff : left > 16 ? a512_mask16(left - 16) : 0;
+    }
+    __m512 acc[4][2][2];
+#pragma GCC unroll 4
+    for (int h = 0; h < NH; h++)
+#pragma GCC unroll 2
+        for (int u = 0; u < NW; u++) {
+            const float *yh = y + (size_t)h * ldy + c + 32 * u;
+            const __m512 y0 = _mm512_maskz_loadu_ps(ky[u][0], yh), y1 = _mm512_maskz_loadu_ps(ky[u][1], yh + 16);
+            acc[h][u][0] = _mm512_permutex2var_ps(y0, to_lo, y1);
+            acc[h][u][1] = _mm512_permutex2var_ps(y0, to_hi, y1);
+        }
+    for (int p = 0; 2 * p < m; p++) {
+        const uint16_t *r0 = xr[2 * p] + c, *r1 = 2 * p + 1 < m ? xr[2 * p + 1] + c : NULL;
+        __m512bh x[2][2];
+#pragma GCC unroll 2
+        for (int u = 0; u < NW; u++) {
+            const __m512i a = _mm512_maskz_loadu_epi16(kx[u], r0 + 32 * u);
+            const __m512i b = r1 ? _mm512_maskz_loadu_epi16(kx[u], r1 + 32 * u) : _mm512_setzero_si512();
+            x[u][0] = (__m512bh)_mm512_unpacklo_epi16(a, b);
+            x[u][1] = (__m512bh)_mm512_unpackhi_epi16(a, b);
+        }
+#pragma GCC unroll 4
+        for (int h = 0; h < NH; h++) {
+            const __m512bh w = (__m512bh)_mm512_set1_epi32((int32_t)ap[(size_t)h * ldap + p]);
+#pragma GCC unroll 2
+            for (int u = 0; u < NW; u++) {
+                acc[h][u][0] = _mm512_dpbf16_ps(acc[h][u][0], x[u][0], w);
+                acc[h][u][1] = _mm512_dpbf16_ps(acc[h][u][1], x[u][1], w);
+            }
+        }
+    }
+#pragma GCC unroll 4
+    for (int h = 0; h < NH; h++)
+#pragma GCC unroll 2
+        for (int u = 0; u < NW; u++) {
+            float *yh = y + (size_t)h * ldy + c + 32 * u;
+            _mm512_mask_storeu_ps(yh, ky[u][0], _mm512_permutex2var_ps(acc[h][u][0], back0, acc[h][u][1]));
+            _mm512_mask_storeu_ps(yh + 16, ky[u][1], _mm512_permutex2var_ps(acc[h][u][0], back1, acc[h][u][1]));
+        }
+}
+
+#define A512BF_AP_HEADS 32
+static GL_A512BF void a512bf_axpy_rowp_n_bf16p(float *y, int ldy, const uint16_t *const *xr, const float *a, int lda,
+                                               int nh, int m, int n) {
+    uint32_t ap[A512BF_AP_HEADS][GL_ROWP_PAIRS];
+    for (int j0 = 0; j0 < m; j0 += 2 * GL_ROWP_PAIRS) {
+        const int mm = m - j0 < 2 * GL_ROWP_PAIRS ? m - j0 : 2 * GL_ROWP_PAIRS;
+        for (int h0 = 0; h0 < nh; h0 += A512BF_AP_HEADS) {
+            const int hn = nh - h0 < A512BF_AP_HEADS ? nh - h0 : A512BF_AP_HEADS;
+            for (int h = 0; h < hn; h++) {   /* 32 weights rounded in order are 16 pairs (0 past the last) */
+                const float *ah = a + (size_t)(h0 + h) * lda + j0;
+                for (int i = 0; i < mm; i += 32) {
+                    const int left = mm - i;
+                    const __m512 lo = _mm512_maskz_loadu_ps(left >= 16 ? (__mmask16)0xffff : a512_mask16(left), ah + i);
+                    const __m512 hi = _mm512_maskz_loadu_ps(left >= 32 ? (__mmask16)0xffff : left > 16 ? a512_mask16(left - 16) : 0,
+                                                            ah + i + 16);
+                    _mm512_storeu_si512(&ap[h][i / 2], (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+                }
+            }
+            float *yh0 = y + (size_t)h0 * ldy;
+            for (int c = 0; c < n; c += 64) {   /* 64 columns of the rows stay in L1 for every head */
+                const int nc = n - c < 64 ? n - c : 64;
+                int h = 0;
+                if (nc > 32) {
+                    for (; h + 4 <= hn; h += 4) a512bf_axpy_tile(yh0 + (size_t)h * ldy, ldy, xr + j0, ap[h], GL_ROWP_PAIRS, mm, c, nc, 4, 2);
+                    for (; h < hn; h++) a512bf_axpy_tile(yh0 + (size_t)h * ldy, ldy, xr + j0, ap[h], GL_ROWP_PAIRS, mm, c, nc, 1, 2);
+                } else {
+                    for (; h + 4 <= hn; h += 4) a512bf_axpy_tile(yh0 + (size_t)h * ldy, ldy, xr + j0, ap[h], GL_ROWP_PAIRS, mm, c, nc, 4, 1);
+                    for (; h < hn; h++) a512bf_axpy_tile(yh0 + (size_t)h * ldy, ldy, xr + j0, ap[h], GL_ROWP_PAIRS, mm, c, nc, 1, 1);
+                }
+            }
+        }
+    }
+}
+
 static const gl_kernels gl_avx512_bf16_kernels = {
     "avx512_bf16", a512bf_matmul, a512_matmul_q8, a512_quantize_q8, a512_dot, a512_axpy, a512_axpy_rows,
     a512_axpy_rows_n, a512_exp_sum, a512_silu_mul, a512_dot_rows_t, a512_dot_rows_t_bf16, a512_axpy_rows_n_bf16,
-    a512_axpy_rowp_n, a512_axpy_rowp_n_bf16, a512_transpose,
+    a512_axpy_rowp_n, a512_axpy_rowp_n_bf16, a512_transpose, a512bf_round_pairs, a512bf_dot_rows_tp,
+    a512bf_axpy_rowp_n_bf16p,
 };

@@ -193,6 +193,24 @@ static __attribute__((target(GL_A512_TARGET))) int int8_avx512(long iters) {
     for (int j = 1; j < 12; j++) s = _mm512_add_epi32(s, acc[j]);
     return _mm512_reduce_add_epi32(s);
 }
+/* The BF16 dot-product peak (AVX512_BF16): one vdpbf16ps is 32 products
+   and 32 adds; the opt-in avx512_bf16 set's native core runs on it */
+static __attribute__((target(GL_A512_TARGET ",avx512bf16"))) float bf16dp_avx512(long iters) {
+    __m512 a[12];
+    const __m512bh m = (__m512bh)_mm512_set1_epi32(0x3f7f3f7f), c = (__m512bh)_mm512_set1_epi32(0x33d633d6);
+#pragma GCC unroll 16
+    for (int j = 0; j < 12; j++) a[j] = _mm512_set1_ps((float)j);
+    for (long i = 0; i < iters; i++) {
+#pragma GCC unroll 16
+        for (int j = 0; j < 12; j++) a[j] = _mm512_dpbf16_ps(a[j], m, c);
+        __asm__ volatile("" : "+v"(a[0]), "+v"(a[1]), "+v"(a[2]), "+v"(a[3]), "+v"(a[4]), "+v"(a[5]));
+    }
+    __m512 s = a[0];
+#pragma GCC unroll 16
+    for (int j = 1; j < 12; j++) s = _mm512_add_ps(s, a[j]);
+    return _mm512_reduce_add_ps(s);
+}
+#define BF16DP512_FLOPS_PER_ITER (12 * 32 * 2)
 #define FMA512_FLOPS_PER_ITER (12 * 16 * 2)
 #define VNNI512_OPS_PER_ITER  (12 * 64 * 2)
 #define FMA_FLOPS_PER_ITER (12 * 8 * 2)
@@ -300,6 +318,7 @@ static void limit_task(void *ctx, int task, int worker) {
     else if (j->kind == 5) s = (float)int8_avx512_vnni(j->iters);
     else if (j->kind == 6) s = (float)int8_avx512(j->iters);
     else if (j->kind == 7) s = fma_avx512(j->iters);
+    else if (j->kind == 8) s = bf16dp_avx512(j->iters);
     else s = (float)int8_avx2(j->iters);
 #else
     else if (j->kind == 1) s = fma_neon(j->iters);
@@ -383,7 +402,7 @@ static double peak_once(limits *L, int kind) {
     double per = kind == 1 ? FMA_FLOPS_PER_ITER : kind == 2 ? INT8_OPS_PER_ITER : SDOT_OPS_PER_ITER;
 #else
     double per = kind == 1 ? FMA_FLOPS_PER_ITER : kind == 6 ? VNNI512_OPS_PER_ITER : kind == 7 ? FMA512_FLOPS_PER_ITER
-               : kind == 4 || kind == 5 ? VNNI_OPS_PER_ITER : INT8_OPS_PER_ITER;
+               : kind == 8 ? BF16DP512_FLOPS_PER_ITER : kind == 4 || kind == 5 ? VNNI_OPS_PER_ITER : INT8_OPS_PER_ITER;
 #endif
     return per * (double)L->iters * tasks / time_tasks(L->pn, tasks, limit_task, &j) / 1e9;
 #else
@@ -466,7 +485,14 @@ static double peak_measure(void *ctx) { peak_ctx *c = ctx; return peak_once(c->L
  * tile, every worker on its own tiles over one shared cache, as t_core runs
  * them. */
 enum { CORE_L = 64, CORE_KEYS_B = 512, CORE_W = 576, CORE_R = 512, CORE_BLK = 16, CORE_CHUNK = 64, CORE_TILES = 64 };
-typedef struct { const gl_kernels *k; const float *qt, *kv; float *sc, *lat; int which; } core_bench;
+typedef struct {
+    const gl_kernels *k;
+    const float *qt, *kv;
+    float *sc, *lat;
+    int which;                 /* 0 scores, 1 latents; 2, 3: the same in native BF16 */
+    const uint32_t *qp;        /* which 2: the queries as bf16 pairs */
+    const uint16_t *kvh;       /* which 2, 3: the cache in bf16 */
+} core_bench;
 static void core_task(void *ctx, int task, int worker) {
     core_bench *c = ctx;
     (void)task;
@@ -474,6 +500,18 @@ static void core_task(void *ctx, int task, int worker) {
     if (c->which == 0)
         for (int j = 0; j < CORE_KEYS_B; j += CORE_BLK)
             c->k->dot_rows_t(sc + j, CORE_KEYS_B, c->qt, CORE_L, CORE_L, c->kv + (size_t)j * CORE_W, CORE_W, CORE_BLK, CORE_W);
+    else if (c->which == 2)
+        for (int j = 0; j < CORE_KEYS_B; j += CORE_BLK)
+            c->k->dot_rows_tp_bf16(sc + j, CORE_KEYS_B, c->qp, CORE_L, CORE_L, c->kvh + (size_t)j * CORE_W, CORE_W,
+                                   CORE_BLK, CORE_W);
+    else if (c->which == 3)
+        for (int q = 0; q < CORE_L / 16; q++)
+            for (int j = 0; j < CORE_KEYS_B; j += CORE_CHUNK) {
+                const uint16_t *rp[CORE_CHUNK];
+                for (int i = 0; i < CORE_CHUNK; i++) rp[i] = c->kvh + (size_t)(j + i) * CORE_W;
+                c->k->axpy_rowp_n_bf16p(lat + (size_t)q * 16 * CORE_R, CORE_R, rp, sc + (size_t)q * 16 * CORE_KEYS_B + j,
+                                        CORE_KEYS_B, 16, CORE_CHUNK, CORE_R);
+            }
     else
         for (int q = 0; q < CORE_L / 16; q++)
             for (int j = 0; j < CORE_KEYS_B; j += CORE_CHUNK) {
@@ -487,7 +525,7 @@ typedef struct { core_bench c; gl_pool *p; } core_run_ctx;
 static double core_gflops(void *ctx) {
     core_run_ctx *r = ctx;
     double t = time_tasks(r->p, CORE_TILES, core_task, &r->c);
-    return 2.0 * CORE_L * CORE_KEYS_B * (r->c.which == 0 ? CORE_W : CORE_R) * CORE_TILES / t / 1e9;
+    return 2.0 * CORE_L * CORE_KEYS_B * (r->c.which % 2 == 0 ? CORE_W : CORE_R) * CORE_TILES / t / 1e9;
 }
 
 /* ---- pool overhead ---- */
@@ -673,11 +711,29 @@ int main(int argc, char **argv) {
         memset(lat, 0, (size_t)threads * CORE_L * CORE_R * sizeof(float));
         peak_ctx pc = {&L, fma_kind};
         for (int which = 0; which < 2; which++) {
-            core_run_ctx cr = {{k, qt, kv, sc, lat, which}, pn};
+            core_run_ctx cr = {{k, qt, kv, sc, lat, which, NULL, NULL}, pn};
             core_gflops(&cr);   /* warm up */
             snprintf(what, sizeof what, "attention core %s, 64 lanes x 512 keys",
                      which == 0 ? "scores (dot_rows_t)" : "latents (axpy_rowp_n)");
             paired(what, "GFLOP/s", "fp32 FMA peak", 5, core_gflops, &cr, peak_measure, &pc);
+        }
+        /* the opt-in set's native-BF16 core (bf16 cache, queries and weights
+           rounded), against the BF16 dot-product peak */
+        const gl_kernels *bf = gl_kernels_by_name("avx512_bf16");
+        if (bf && bf->dot_rows_tp_bf16) {
+            uint16_t *kvh = xmalloc((size_t)CORE_KEYS_B * CORE_W * sizeof(uint16_t));
+            uint32_t *qp = xmalloc((size_t)(CORE_W / 2) * CORE_L * sizeof(uint32_t));
+            for (int i = 0; i < CORE_KEYS_B * CORE_W; i++) kvh[i] = gl_f32_to_bf16(kv[i]);
+            bf->round_pairs_bf16(qp, CORE_L, qt, CORE_L, CORE_W, CORE_L);
+            peak_ctx pb = {&L, 8};
+            for (int which = 2; which < 4; which++) {
+                core_run_ctx cr = {{bf, qt, kv, sc, lat, which, qp, kvh}, pn};
+                core_gflops(&cr);
+                snprintf(what, sizeof what, "attention core %s, native BF16",
+                         which == 2 ? "scores (dot_rows_tp_bf16)" : "latents (axpy_rowp_n_bf16p)");
+                paired(what, "GFLOP/s", "BF16 dot peak", 5, core_gflops, &cr, peak_measure, &pb);
+            }
+            free(kvh); free(qp);
         }
         free(qt); free(kv); free(sc); free(lat);
     }

@@ -777,6 +777,111 @@ static void test_bf16_native(const gl_kernels *k) {
     free(wrow);
 }
 
+/* The opt-in set's native-BF16 attention core: queries and softmax weights
+ * rounded to bf16, two elements a product.  round_pairs_bf16 against the
+ * scalar rounding; the scores and the weighted sums within fp32 rounding of
+ * the sum on the rounded operands, and within 2^-8 of sum|terms| of the
+ * exact one (the worst error seen is printed: the mode's accuracy); every
+ * value the same bits whatever the lanes, rows or heads of the call, and
+ * for rows split into calls at an even offset.  Rows are allocated alone,
+ * at their exact size, so a read past one is caught under ASan. */
+static void test_bf16_core_native(const gl_kernels *k) {
+    check(k->round_pairs_bf16 && k->dot_rows_tp_bf16 && k->axpy_rowp_n_bf16p, "%s: has no native-BF16 core", k->name);
+    if (!k->round_pairs_bf16 || !k->dot_rows_tp_bf16 || !k->axpy_rowp_n_bf16p) return;
+    enum { MMAX = 130 };
+    double worst_s = 0, worst_l = 0;
+    static const int ns[] = {1, 2, 19, 33, 64, 100, 576}, ms[] = {1, 3, 5, 16, 17, 23, 64, 70, 130};
+    static const int nls[] = {1, 5, 16, 17, 64, 80, 128};
+    for (size_t ni = 0; ni < sizeof ns / sizeof *ns; ni++)
+        for (size_t mi = 0; mi < sizeof ms / sizeof *ms; mi++) {
+            int n = ns[ni], m = ms[mi], ldx = n + 3, np = (n + 1) / 2;
+            uint16_t *xc = xmalloc((size_t)m * ldx * sizeof(uint16_t)), *xr[MMAX];
+            for (int j = 0; j < m; j++) xr[j] = xmalloc((size_t)n * sizeof(uint16_t));
+            for (int j = 0; j < m; j++)
+                for (int c = 0; c < n; c++)
+                    xr[j][c] = xc[(size_t)j * ldx + c] = gl_f32_to_bf16(rng_unif() * ((j + c) % 7 == 0 ? 1e-3f : 3.0f));
+            for (size_t li = 0; li < sizeof nls / sizeof *nls; li++) {
+                /* scores: nl queries (transposed, [n][ldq]) against the m rows */
+                int nl = nls[li], ldq = nl + 3, ldy = m + 2;
+                float *qt = xmalloc((size_t)n * ldq * sizeof(float));
+                uint32_t *qp = xmalloc((size_t)np * ldq * sizeof(uint32_t));
+                float *y = xmalloc((size_t)nl * ldy * sizeof(float)), y1;
+                for (int i = 0; i < n * ldq; i++) qt[i] = rng_unif() * (i % 11 == 0 ? 1e-2f : 1.0f);
+                k->round_pairs_bf16(qp, ldq, qt, ldq, n, nl);
+                int bad_r = 0, bad = 0, bad_inv = 0;
+                for (int p = 0; p < np; p++)
+                    for (int l = 0; l < nl; l++) {
+                        uint32_t want = gl_f32_to_bf16(qt[(size_t)2 * p * ldq + l]) |
+                                        (2 * p + 1 < n ? (uint32_t)gl_f32_to_bf16(qt[(size_t)(2 * p + 1) * ldq + l]) << 16 : 0);
+                        bad_r += qp[(size_t)p * ldq + l] != want;
+                    }
+                for (int i = 0; i < nl * ldy; i++) y[i] = -7.0f;
+                k->dot_rows_tp_bf16(y, ldy, qp, ldq, nl, xc, ldx, m, n);
+                for (int l = 0; l < nl; l++)
+                    for (int j = 0; j < m; j++) {
+                        double sr = 0, se = 0, sa = 0;
+                        for (int c = 0; c < n; c++) {
+                            double xv = gl_bf16_to_f32(xr[j][c]), qv = qt[(size_t)c * ldq + l];
+                            sr += xv * gl_bf16_to_f32(gl_f32_to_bf16((float)qv));
+                            se += xv * qv; sa += fabs(xv * qv);
+                        }
+                        double v = y[(size_t)l * ldy + j];
+                        if (fabs(v - sr) > fp_tol(n, sa) || fabs(v - se) > ldexp(1, -8) * sa + fp_tol(n, sa)) bad++;
+                        if (sa > 0 && fabs(v - se) / sa > worst_s) worst_s = fabs(v - se) / sa;
+                        k->dot_rows_tp_bf16(&y1, 1, qp + l, ldq, 1, xr[j], n, 1, n);   /* one lane, one row */
+                        bad_inv += f2u(y1) != f2u((float)v);
+                    }
+                for (int l = 0; l < nl; l++) bad += y[(size_t)l * ldy + m] != -7.0f;   /* the gaps untouched */
+                check(!bad_r, "%s: round_pairs_bf16 n=%d cols=%d: %d pairs differ from the scalar rounding", k->name, n, nl, bad_r);
+                check(!bad, "%s: dot_rows_tp_bf16 n=%d m=%d lanes=%d: %d values off", k->name, n, m, nl, bad);
+                check(!bad_inv, "%s: dot_rows_tp_bf16 n=%d m=%d lanes=%d: %d values depend on the call", k->name, n, m, nl, bad_inv);
+                free(qt); free(qp); free(y);
+
+                /* weighted sums: nh = nl heads of m weights over the same rows (n columns) */
+                int nh = nl, lda = m + 1, ldh = n + 5;
+                float *a = xmalloc((size_t)nh * lda * sizeof(float));
+                float *y0 = xmalloc((size_t)nh * ldh * sizeof(float)), *s1 = xmalloc((size_t)nh * ldh * sizeof(float));
+                float *s2 = xmalloc((size_t)nh * ldh * sizeof(float));
+                for (int i = 0; i < nh * lda; i++) a[i] = 0.5f * (rng_unif() + 1.0f);
+                for (int i = 0; i < nh * ldh; i++) y0[i] = rng_unif();
+                memcpy(s1, y0, (size_t)nh * ldh * sizeof(float));
+                k->axpy_rowp_n_bf16p(s1, ldh, (const uint16_t *const *)xr, a, lda, nh, m, n);
+                bad = bad_inv = 0;
+                for (int h = 0; h < nh; h++)
+                    for (int c = 0; c < ldh; c++) {
+                        double v = s1[(size_t)h * ldh + c];
+                        if (c >= n) { bad += f2u((float)v) != f2u(y0[(size_t)h * ldh + c]); continue; }
+                        double sr = y0[(size_t)h * ldh + c], se = sr, sa = fabs(sr);
+                        for (int j = 0; j < m; j++) {
+                            double xv = gl_bf16_to_f32(xr[j][c]), av = a[(size_t)h * lda + j];
+                            sr += xv * gl_bf16_to_f32(gl_f32_to_bf16((float)av));
+                            se += xv * av; sa += fabs(xv * av);
+                        }
+                        if (fabs(v - sr) > fp_tol(m, sa) || fabs(v - se) > ldexp(1, -8) * sa + fp_tol(m, sa)) bad++;
+                        if (sa > 0 && fabs(v - se) / sa > worst_l) worst_l = fabs(v - se) / sa;
+                    }
+                /* a head at a time, and the rows in two calls split at an even offset */
+                int split = m / 4 * 2;
+                memcpy(s2, y0, (size_t)nh * ldh * sizeof(float));
+                for (int h = 0; h < nh; h++) {
+                    float *yh = s2 + (size_t)h * ldh;
+                    if (split) k->axpy_rowp_n_bf16p(yh, ldh, (const uint16_t *const *)xr, a + (size_t)h * lda, lda, 1, split, n);
+                    k->axpy_rowp_n_bf16p(yh, ldh, (const uint16_t *const *)xr + split, a + (size_t)h * lda + split, lda, 1,
+                                         m - split, n);
+                }
+                for (int i = 0; i < nh * ldh; i++) bad_inv += f2u(s1[i]) != f2u(s2[i]);
+                check(!bad, "%s: axpy_rowp_n_bf16p n=%d m=%d heads=%d: %d values off", k->name, n, m, nh, bad);
+                check(!bad_inv, "%s: axpy_rowp_n_bf16p n=%d m=%d heads=%d: %d values depend on the call", k->name, n, m, nh,
+                      bad_inv);
+                free(a); free(y0); free(s1); free(s2);
+            }
+            for (int j = 0; j < m; j++) free(xr[j]);
+            free(xc);
+        }
+    printf("  %s: native-BF16 core (bf16 keys, queries and weights rounded): worst error %.2e (scores), %.2e (latents) "
+           "of sum|terms|\n", k->name, worst_s, worst_l);
+}
+
 /* W8A8 on shapes the avx512 set packs into panels -- short rows with a few
  * tokens (the attention's per-head absorbed products), and long rows with
  * 12+ tokens (prefill's GEMMs: 512-column slices of 64 rows, int32 sums per
@@ -1193,6 +1298,7 @@ int main(int argc, char **argv) {
             test_dot_rows_t(bf);
             test_bf16_rows(bf);
             test_rowp(bf);
+            test_bf16_core_native(bf);
             test_invariance(bf, pool2, pool4);
         }
 #if defined(GL_HAVE_AVX2)
