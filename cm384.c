@@ -5941,6 +5941,8 @@ typedef struct fwd_scratch {
     float  *scores;            /* [workers][CORE_TILE][H][core_chunk]             */
     float  *qt;                /* [workers][kv_lora+rope][CORE_TILE*H] a tile's
                                   absorbed queries transposed (core_queries)      */
+    uint32_t *qtp;             /* [workers][(kv_lora+rope+1)/2][CORE_TILE*H] the
+                                  same rounded to bf16 pairs (native-BF16 core)   */
     float  *run_ml;            /* [workers][2][CORE_TILE][H][2] running max and sum:
                                   the lane being run, and the lanes folded so far */
     float  *lane_lat;          /* [workers][CORE_TILE][H][kv_lora] a lane's latents */
@@ -6021,6 +6023,7 @@ static void scratch_carve(carver *c, fwd_scratch *s, const hparams *hp, int cap,
     s->core_chunk = (CORE_KEYS + block - 1) / block * block;
     s->scores = F((size_t)workers * H * CORE_TILE * (size_t)s->core_chunk);
     s->qt = F((size_t)workers * CORE_TILE * H * lat);
+    s->qtp = carve(c, (size_t)workers * CORE_TILE * H * ((lat + 1) / 2) * sizeof(uint32_t));
     s->run_ml = F((size_t)workers * 2 * H * CORE_TILE * 2);
     s->lane_lat = F((size_t)workers * CORE_TILE * H * hp->kv_lora);
     s->split_ml = F((size_t)CORE_SPLIT_TILES * CORE_TILE * H * CORE_LANES * 2);
@@ -6696,6 +6699,13 @@ static void t_absorb(void *ctx, int g, int h, int worker) {
  * function in the same order wherever it runs.  A context of one chunk has
  * one lane and no fold. */
 
+/* The core in native BF16: the opt-in kernel set that has it ("avx512_bf16")
+ * over a bf16 latent cache.  Queries and softmax weights are rounded to
+ * bf16 and multiplied by vdpbf16ps (twice the FMA rate); the invariances
+ * above hold as they do in fp32, since each (query, head) result is still
+ * one chain per kernel call, and the calls are the same wherever it falls. */
+static int core_native(const struct cm384_engine *e) { return e->kv.bf16 && e->k->dot_rows_tp_bf16; }
+
 /* The tile's absorbed queries for heads [h0, h1), transposed into the
  * worker's qt: element c of (query q, head h) at qt[c * nl + q * (h1 - h0) +
  * h - h0], nl = the tile's queries times h1 - h0. */
@@ -6708,6 +6718,9 @@ static void core_queries(op *o, int tile, int h0, int h1, int worker) {
     int nh = h1 - h0;
     for (int q = 0; q < nq; q++)             /* dst[c][q][h - h0] = src[q][h][c] */
         o->e->k->transpose(dst + (size_t)q * nh, nq * nh, src + ((size_t)q * H + h0) * lat_w, lat_w, nh, lat_w);
+    if (core_native(o->e))                   /* and as bf16 pairs of c, for vdpbf16ps */
+        o->e->k->round_pairs_bf16(s->qtp + (size_t)worker * CORE_TILE * H * ((lat_w + 1) / 2), nq * nh, dst, nq * nh,
+                                  lat_w, nq * nh);
 }
 
 /* One lane of a tile over heads [h0, h1) (core_queries has laid them out):
@@ -6731,6 +6744,8 @@ static void core_lane(op *o, int tile, int h0, int h1, int lane, float *lat, siz
     int nh = h1 - h0, nl = nq * nh;
     float scale = e->m->attn_scale, slack = e->core_slack / scale;
     int bf16 = e->kv.bf16;       /* a bf16 cache is read as it is, by the kernels' bf16 forms */
+    int native = core_native(e);
+    const uint32_t *qtp = s->qtp + (size_t)worker * CORE_TILE * H * ((lat_w + 1) / 2);
 #define SC(h, q) (sc + ((size_t)(q) * H + (h)) * CH)
 #define ML(h, q) (ml_out + ((size_t)(q) * H + (h)) * 2)
 #define LATENT(h, q) (lat + (size_t)(h) * ldh + (size_t)(q) * ldq)
@@ -6755,7 +6770,8 @@ static void core_lane(op *o, int tile, int h0, int h1, int lane, float *lat, siz
                 float *y = nh == H ? SC(0, 0) : SC(h0, q);
                 const float *qq = qt + (size_t)q * nh;
                 int lanes = nh == H ? nl : nh;
-                if (bf16) k->dot_rows_t_bf16(y + (j0 - c0), CH, qq, nl, lanes, rows, lat_w, nk, lat_w);
+                if (native) k->dot_rows_tp_bf16(y + (j0 - c0), CH, qtp + (size_t)q * nh, nl, lanes, rows, lat_w, nk, lat_w);
+                else if (bf16) k->dot_rows_t_bf16(y + (j0 - c0), CH, qq, nl, lanes, rows, lat_w, nk, lat_w);
                 else k->dot_rows_t(y + (j0 - c0), CH, qq, nl, lanes, rows, lat_w, nk, lat_w);
             }
             j0 += nk;
@@ -6784,7 +6800,10 @@ static void core_lane(op *o, int tile, int h0, int h1, int lane, float *lat, siz
                 int nk = c0 + m - j0 < CORE_ROWP ? c0 + m - j0 : CORE_ROWP;
                 const void *rp[CORE_ROWP];
                 for (int j = 0; j < nk; j++) rp[j] = kv_row(&e->kv, tab, o->layer, j0 + j + sh);
-                if (bf16)
+                if (native)
+                    k->axpy_rowp_n_bf16p(LATENT(h0, q), (int)ldh, (const uint16_t *const *)rp, SC(h0, q) + (j0 - c0), CH,
+                                         h1 - h0, nk, R);
+                else if (bf16)
                     k->axpy_rowp_n_bf16(LATENT(h0, q), (int)ldh, (const uint16_t *const *)rp, SC(h0, q) + (j0 - c0), CH,
                                         h1 - h0, nk, R);
                 else
@@ -11169,11 +11188,14 @@ int cm384_report(cm384_engine *e, char *buf, size_t cap) {
                       st.n_expert_devices == E ? "one per routed expert: this model has no more to spread" : "experts shared out",
                       st.n_idle_devices);
     }
-    sb_printf(&b, "numerics: %s%s%s%s%s\n",
-              e->cfg.int8 || e->cfg.int8_dispatch || e->bf16_combine || e->kv.bf16 ? "approximations on:" :
+    sb_printf(&b, "numerics: %s%s%s%s%s%s\n",
+              e->cfg.int8 || e->cfg.int8_dispatch || e->bf16_combine || e->kv.bf16 || e->k->dot_rows_tp_bf16 ?
+              "approximations on:" :
               "exact (weights as stored, fp32 dispatch, combine and KV cache: the reference's results)",
               e->cfg.int8 ? " INT8 W8A8 weights" : "", e->cfg.int8_dispatch ? " INT8 dispatch" : "",
-              e->bf16_combine ? " BF16 combine" : "", e->kv.bf16 ? " BF16 KV cache" : "");
+              e->bf16_combine ? " BF16 combine" : "", e->kv.bf16 ? " BF16 KV cache" : "",
+              !e->k->dot_rows_tp_bf16 ? "" : core_native(e) ? " native BF16 products (bf16 weights, attention core)" :
+              " native BF16 products (bf16 weights)");
     if (e->expanded)
         sb_printf(&b, "  prefill attends expanded (K and V per head, DeepSeek's naive MLA; decode absorbed: other rounding)\n");
     sb_printf(&b, "requests: %llu done, %llu cancelled, %llu failed, %llu preempted\n",

@@ -431,9 +431,13 @@ typedef struct cm384_config {
     const char  *kernels;          /* kernel set by name (NULL = the best this CPU
                                       runs, exact); "avx512_bf16": bf16 weights
                                       times activations rounded to bf16 (AVX512_BF16
-                                      vdpbf16ps) -- an approximation, up to ~2^-9
-                                      relative per product.  CM384_E_INVALID if
-                                      this CPU cannot run the set                    */
+                                      vdpbf16ps) and, with kv_bf16, the attention
+                                      core's bf16 keys times queries and softmax
+                                      weights rounded to bf16 -- an approximation,
+                                      up to 2^-8 relative per product (bench-M INT8
+                                      prefill about 1.2x with kv_bf16; the same
+                                      bits prefilled or decoded).  CM384_E_INVALID
+                                      if this CPU cannot run the set                 */
     int          bf16_combine;     /* expert outputs travel back to the source in
                                       BF16 (as CloudMatrix-Infer's FusedCombine
                                       does): half the combine bytes, outputs
@@ -460,8 +464,10 @@ typedef struct cm384_config {
                                       on logits: docs/how-it-works.md, section 10).
                                       The attention core reads the bf16 keys as
                                       they are, widened to fp32 exactly in its
-                                      kernels: at long context decode is faster
-                                      (half the bytes).  0 (default): fp32, exact */
+                                      kernels (natively with kernels =
+                                      "avx512_bf16"): at long context decode is
+                                      faster (half the bytes).  0 (default):
+                                      fp32, exact                                    */
     int          prefill_expanded; /* 1: prefill attends as DeepSeek's "naive" MLA:
                                       each chunk of cached latents is expanded to
                                       per-head K and V (W_uk, W_uv) and the queries

@@ -22,7 +22,8 @@
 #  10. faults: what recovering from each kind took
 #  11. MTP: acceptance, tokens per step and the cost of a step with a draft,
 #      at 1 stream and (bench-M INT8) at 16
-#  12. prefill attention: absorbed against expanded (--prefill-expanded)
+#  12. prefill attention: absorbed against expanded (--prefill-expanded) and the
+#      native-BF16 core (--kv-bf16 --kernels avx512_bf16, on AVX512_BF16 CPUs)
 #  13. an AVX2 machine's instructions on this one: cm384's avx2 kernel set
 #      against llama.cpp built for AVX2 only (LLAMA_ISA=avx2 make peer),
 #      when this CPU has AVX-512 and that build is there
@@ -422,21 +423,31 @@ fi
 fi
 if want 12; then
 echo
-echo "== 12. prefill attention: absorbed (the default) against expanded (--prefill-expanded), 1 request; medians of $RUNS"
-printf '%-9s %-5s %7s | %11s %11s %7s\n' model dtype prompt "absorbed/s" "expanded/s" ratio
+echo "== 12. prefill attention: absorbed (the default) against expanded (--prefill-expanded) and, on a CPU with AVX512_BF16,"
+echo "   the native-BF16 core (--kv-bf16 --kernels avx512_bf16), 1 request; medians of $RUNS"
+nat=""; grep -q avx512_bf16 /proc/cpuinfo 2>/dev/null && nat=1
+printf '%-9s %-5s %7s | %11s %11s %7s | %11s %7s %7s\n' model dtype prompt "absorbed/s" "expanded/s" ratio "bf16core/s" ratio "%peak"
 for name in $MODELS; do
     for q in int8 bf16; do
-        flag=""; [ "$q" = int8 ] && flag="--int8"
+        flag=""; lk=fp32; [ "$q" = int8 ] && flag="--int8" && lk=int8
         for p in 512 2048; do
             a=$(bench_median "prefill_tok_s" -m "$M/$name" -p $p -n 2 --requests 1 -t "$T" $flag)
             x=$(bench_median "prefill_tok_s" -m "$M/$name" -p $p -n 2 --requests 1 -t "$T" $flag --prefill-expanded)
-            printf '%-9s %-5s %7d | %11.1f %11.1f %7s\n' "$name" "$q" "$p" "$a" "$x" "$(ratio "$x" "$a")"
+            n=0; np=0
+            [ -n "$nat" ] && set -- $(bench_median "prefill_tok_s prefill_gops/$lk" -m "$M/$name" -p $p -n 2 --requests 1 \
+                -t "$T" $flag --kv-bf16 --kernels avx512_bf16) && n=$1 && np=$2
+            [ "$q" = int8 ] || np=0    # bf16 weights then use the BF16 dot product, whose peak section 1 does not measure
+            printf '%-9s %-5s %7d | %11.1f %11.1f %7s | %11.1f %7s %7s\n' "$name" "$q" "$p" "$a" "$x" "$(ratio "$x" "$a")" \
+                "$n" "$(ratio "$n" "$a")" "$(pct "$np" 1)"
         done
     done
 done
 echo "(expanded: each chunk of 256 cached latents expanded per head into K and V, queries attending with head dimension"
 echo " 192/128 instead of 576/512; prompts are prefilled 512 tokens a step, so a 2,048-token prompt expands its first"
-echo " keys four times.  Same model, other rounding than the absorbed decode path: off by default.)"
+echo " keys four times.  Same model, other rounding than the absorbed decode path: off by default.  bf16core: the"
+echo " absorbed core over a bf16 latent cache with its queries and softmax weights rounded to bf16 for vdpbf16ps (and,"
+echo " for bf16 weights, their products too), the same bits prefilled or decoded; %peak: against the INT8 peak, as in"
+echo " section 3 (int8 only).  Both approximations are opt-in: README, Kernel sets)"
 fi
 LLAMA_BENCH_AVX2=${LLAMA_BENCH_AVX2:-$PEER/bin-avx2/llama-bench}
 if want 13 && grep -q avx512f /proc/cpuinfo 2>/dev/null && [ -x "$LLAMA_BENCH_AVX2" ]; then

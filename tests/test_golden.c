@@ -403,13 +403,20 @@ done:
  * within 1% of their spread and top-1 is kept where the reference's margin
  * is wide (> 0.05); the rest of the engine is unchanged, so decoding
  * through the cache still gives the full forward's bits. */
-static void check_kv_bf16(cm384_model *m) {
-    printf("[bf16 KV cache]\n");
+/* With kernels = "avx512_bf16" the attention core over that cache also
+ * rounds its queries and softmax weights to bf16 (vdpbf16ps): the same
+ * bounds, and the same bits decoded as prefilled. */
+static void check_kv_bf16(cm384_model *m, const char *kernels) {
+    printf("[bf16 KV cache%s%s]\n", kernels ? ", kernels " : "", kernels ? kernels : "");
     cm384_config c;
     cm384_config_init(&c);
-    c.n_workers = 2; c.int8_dispatch = 0; c.kv_bf16 = 1;
+    c.n_workers = 2; c.int8_dispatch = 0; c.kv_bf16 = 1; c.kernels = kernels;
     cm384_engine *e;
     int r = cm384_engine_create(m, &c, &e);
+    if (kernels && r == CM384_E_INVALID) {
+        printf("  this CPU cannot run %s: not checked here\n", kernels);
+        return;
+    }
     CHECK(r == CM384_OK, "engine_create: %s", cm384_last_error());
     if (r) return;
     const int V = 1024;
@@ -578,7 +585,8 @@ TEST_MAIN(golden) {
     check_topology(m, "single", 1, 100, 0);
     check_mtp_drafts(m);
     check_lanes(m);
-    check_kv_bf16(m);
+    check_kv_bf16(m, NULL);
+    check_kv_bf16(m, "avx512_bf16");
     check_expanded(m);
     cm384_model_free(m);
     check_v2("tests/fixtures/tiny-dsv2-lite");
