@@ -436,9 +436,10 @@ for name in $MODELS; do
             n=0; np=0
             [ -n "$nat" ] && set -- $(bench_median "prefill_tok_s prefill_gops/$lk" -m "$M/$name" -p $p -n 2 --requests 1 \
                 -t "$T" $flag --kv-bf16 --kernels avx512_bf16) && n=$1 && np=$2
-            [ "$q" = int8 ] || np=0    # bf16 weights then use the BF16 dot product, whose peak section 1 does not measure
+            pk=$(pct "$np" 1)
+            [ "$q" = int8 ] || pk=-    # bf16 weights then use the BF16 dot product, not the FP32 peak of section 3
             printf '%-9s %-5s %7d | %11.1f %11.1f %7s | %11.1f %7s %7s\n' "$name" "$q" "$p" "$a" "$x" "$(ratio "$x" "$a")" \
-                "$n" "$(ratio "$n" "$a")" "$(pct "$np" 1)"
+                "$n" "$(ratio "$n" "$a")" "$pk"
         done
     done
 done

@@ -621,6 +621,13 @@ int main(int argc, char **argv) {
         snprintf(what, sizeof what, "int8 %s peak, %d threads",
                  int8_kind == 3 ? "sdot" : int8_kind == 6 ? "vpdpbusd-zmm" : int8_kind >= 4 ? "vpdpbusd" : "multiply-add", threads);
         report(what, int8_peak, "GOP/s", NULL, 0);
+        const gl_kernels *bf = gl_kernels_by_name("avx512_bf16");
+        if (bf && bf->dot_rows_tp_bf16) {   /* the opt-in set's native BF16 (section "attention core ... native") */
+            double bfs[5];
+            for (int i = 0; i < 5; i++) bfs[i] = peak_once(&L, 8);
+            snprintf(what, sizeof what, "bf16 vdpbf16ps peak (opt-in avx512_bf16), %d threads", threads);
+            report(what, best(bfs, 5), "GFLOP/s", NULL, 0);
+        }
     }
     if (!json) printf("(each ratio below: median over runs, each run against a limit measured just before it)\n");
 
