@@ -196,7 +196,7 @@ typedef struct gl_kernels {
     /* The attention core in native BF16 over a bf16 latent cache: NULL in
        every set but the opt-in "avx512_bf16", whose vdpbf16ps multiplies
        pairs of bf16 values -- the fp32 operands are rounded to bf16 (nearest
-       even), an error of up to 2^-9 relative per product, at twice the FMA
+       even), an error of up to 2^-8 relative per product, at twice the FMA
        rate.  round_pairs_bf16 packs rows 2p and 2p + 1 of src ([n][lds], n
        rows of cols values) into dst[p*ldd + l] = bf16(src[2p][l]) | bf16(
        src[2p+1][l]) << 16 (0 past the last row).  dot_rows_tp_bf16 is

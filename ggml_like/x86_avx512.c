@@ -1177,7 +1177,7 @@ static const gl_kernels gl_avx512_kernels = {
  * "avx512_bf16": the avx512 set, except that bf16 weights are multiplied by
  * vdpbf16ps with the activations rounded to bf16 (nearest even) -- twice
  * the fp32 FMA rate, but each activation loses its low 16 bits, an error
- * of up to 2^-9 relative per product (test_kernels measures it against
+ * of up to 2^-8 relative per product (test_kernels measures it against
  * the exact sum).  Never chosen by gl_kernels_get: an engine asks for it
  * by name.  Order: lane l of a 16-wide accumulator takes the column pairs
  * (32s + 2l, 32s + 2l + 1) in increasing s; the tail is zero-padded; the
