@@ -77,6 +77,15 @@ for name in $MODELS; do
         v2lite4) gen v2lite4 v2-lite --set num_hidden_layers=4 --set bos_token_id=0 --set eos_token_id=1 ;;
     esac
 done
+# The weight files leave the page cache once, so that the first mapped load
+# reads them as a load after a reboot would (2 MB folios, docs/performance.md)
+# and not in the small folios they were written or last read in, whichever
+# session that was.  GNU dd only; elsewhere nothing happens.
+for name in $MODELS; do
+    for f in "$M/$name"/*.safetensors; do
+        [ -f "$f" ] && dd if="$f" iflag=nocache count=0 status=none 2>/dev/null
+    done
+done
 
 # run N times, print the median of a JSON field list: "f1 f2 ..." -> "m1 m2 ..."
 # A field "f/bw", "f/fp32" or "f/int8" is f over the read bandwidth, FP32 or
