@@ -236,8 +236,10 @@ GL_AVX2_INLINE __m256i avx2_mac_i8(__m256i acc, __m256i wabs, __m256i w, __m256i
  * per multiply-add: AVX2's maddubs + madd pair, and VNNI's one-instruction
  * vpdpbusd (u8 x s8, four products into each int32 lane), either as AVX-VNNI
  * (VEX: Alder Lake and later, Zen 5) or as AVX512-VNNI on 256-bit vectors
- * (EVEX: Ice Lake, Zen 4 and later).  The same sign trick feeds vpdpbusd:
- * |w| unsigned, x*sign(w) signed.  vpdpbusd is written as asm: with the
+ * (EVEX: Ice Lake, Zen 4 and later).  vpdpbusd takes the weights offset
+ * to unsigned (w + 128) and the activations as they are, and the tile
+ * subtracts 128 times each token's sum (X86_Q8_OFFSET; see x86_q8.h).
+ * vpdpbusd is written as asm: with the
  * intrinsics gcc 12 copies every accumulator to another register and back
  * each iteration (~20% slower prefill); {vex} asks for the AVX-VNNI encoding. */
 #define X86_Q8(name) avx2_##name
@@ -245,20 +247,22 @@ GL_AVX2_INLINE __m256i avx2_mac_i8(__m256i acc, __m256i wabs, __m256i w, __m256i
 #define X86_Q8_FN GL_AVX2
 #define X86_Q8_MAC avx2_mac_i8
 #define X86_Q8_NT 4
+#define X86_Q8_OFFSET 0
 #include "x86_q8.h"
 #undef X86_Q8
 #undef X86_Q8_INLINE
 #undef X86_Q8_FN
 #undef X86_Q8_MAC
 #undef X86_Q8_NT
+#undef X86_Q8_OFFSET
 
 #define GL_VNNI_TARGET "avx2,fma,f16c,avxvnni"
 #define GL_EVEX_TARGET "avx2,fma,f16c,avx512f,avx512vl,avx512bw,avx512vnni"
 
 static inline __attribute__((always_inline, target(GL_VNNI_TARGET))) __m256i
-vnni_mac_i8(__m256i acc, __m256i wabs, __m256i w, __m256i x, __m256i ones) {
-    (void)ones;
-    __asm__("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(wabs), "x"(_mm256_sign_epi8(x, w)));
+vnni_mac_i8(__m256i acc, __m256i wu, __m256i w, __m256i x, __m256i ones) {
+    (void)w; (void)ones;
+    __asm__("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(wu), "x"(x));
     return acc;
 }
 #define X86_Q8(name) vnni_##name
@@ -266,17 +270,19 @@ vnni_mac_i8(__m256i acc, __m256i wabs, __m256i w, __m256i x, __m256i ones) {
 #define X86_Q8_FN __attribute__((target(GL_VNNI_TARGET)))
 #define X86_Q8_MAC vnni_mac_i8
 #define X86_Q8_NT 4
+#define X86_Q8_OFFSET 1
 #include "x86_q8.h"
 #undef X86_Q8
 #undef X86_Q8_INLINE
 #undef X86_Q8_FN
 #undef X86_Q8_MAC
 #undef X86_Q8_NT
+#undef X86_Q8_OFFSET
 
 static inline __attribute__((always_inline, target(GL_EVEX_TARGET))) __m256i
-evex_mac_i8(__m256i acc, __m256i wabs, __m256i w, __m256i x, __m256i ones) {
-    (void)ones;
-    __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(wabs), "v"(_mm256_sign_epi8(x, w)));
+evex_mac_i8(__m256i acc, __m256i wu, __m256i w, __m256i x, __m256i ones) {
+    (void)w; (void)ones;
+    __asm__("vpdpbusd %2, %1, %0" : "+v"(acc) : "v"(wu), "v"(x));
     return acc;
 }
 #define X86_Q8(name) evex_##name
@@ -284,12 +290,14 @@ evex_mac_i8(__m256i acc, __m256i wabs, __m256i w, __m256i x, __m256i ones) {
 #define X86_Q8_FN __attribute__((target(GL_EVEX_TARGET)))
 #define X86_Q8_MAC evex_mac_i8
 #define X86_Q8_NT 8
+#define X86_Q8_OFFSET 1
 #include "x86_q8.h"
 #undef X86_Q8
 #undef X86_Q8_INLINE
 #undef X86_Q8_FN
 #undef X86_Q8_MAC
 #undef X86_Q8_NT
+#undef X86_Q8_OFFSET
 
 
 /* Same values as scalar_quantize_q8: max|x| is exact in any order, x*inv is

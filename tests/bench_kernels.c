@@ -138,29 +138,47 @@ static BENCH_AVX2 int int8_avx2(long iters) {
     return _mm256_extract_epi32(s, 0);
 }
 
-/* The same with VNNI's vpdpbusd (the avx_vnni / avx512_vnni sets): sign,
- * then one instruction for the 32 products and their sums; 12 chains, as
- * for zmm (6, or the accumulators left in memory by an unrolled-too-little
- * loop, measured a latency: under half the kernels' own rate). */
-#define BENCH_VNNI_LOOP(name, tgt, dp)                                                        \
-    static __attribute__((target(tgt))) int name(long iters) {                               \
-        __m256i acc[12], x[12], w = _mm256_set1_epi8(3);                                        \
-        __m256i wa = _mm256_abs_epi8(w);                                                        \
+/* The same with VNNI's vpdpbusd (the avx_vnni / avx512_vnni sets): one
+ * instruction for 32 products and their sums, as the kernels use it (the
+ * weights offset to unsigned once per vector, x86_q8.h), 10 chains, each
+ * on its own activation vector reloaded from L1 every time as the kernels'
+ * are.  The sums must stay in registers, tied in place: VEX code has 16 ymm
+ * registers, and 12 chains each holding its activations in one spilled
+ * them (so did gcc 12's intrinsic, which copies every accumulator each
+ * iteration, and a loop over them left rolled); the EVEX form under "v"
+ * went through a register copy per instruction.  Each measured under the
+ * W8A8 GEMM's own rate (303-463 GOP/s on Zen 5 against 500-800). */
+static inline __attribute__((always_inline, target(GL_VNNI_TARGET))) __m256i bench_dp_vex(__m256i acc, __m256i u, __m256i x) {
+    __asm__("%{vex%} vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(u), "x"(x));
+    return acc;
+}
+static inline __attribute__((always_inline, target(GL_EVEX_TARGET))) __m256i bench_dp_evex(__m256i acc, __m256i u, __m256i x) {
+    __asm__("vpdpbusd %2, %1, %0" : "+x"(acc) : "x"(u), "x"(x));
+    return acc;
+}
+#define BENCH_VNNI_CHAINS 12
+#define BENCH_VNNI_LOOP(name, tgt, dp)                                                          \
+    static __attribute__((target(tgt))) int name(long iters) {                                 \
+        __m256i acc[BENCH_VNNI_CHAINS], w = _mm256_set1_epi8(3);                                \
+        _Alignas(32) int8_t xs[BENCH_VNNI_CHAINS][32];                                          \
+        for (int j = 0; j < BENCH_VNNI_CHAINS; j++) memset(xs[j], j - 5, 32);                   \
+        /* every loop over the sums unrolled, or they live on the stack */                     \
         _Pragma("GCC unroll 16")                                                                \
-        for (int j = 0; j < 12; j++) acc[j] = _mm256_set1_epi32(j), x[j] = _mm256_set1_epi8((char)(j - 6)); \
+        for (int j = 0; j < BENCH_VNNI_CHAINS; j++) acc[j] = _mm256_set1_epi32(j);              \
         for (long i = 0; i < iters; i++) {                                                      \
             _Pragma("GCC unroll 16")                                                            \
-            for (int j = 0; j < 12; j++) acc[j] = dp(acc[j], wa, _mm256_sign_epi8(x[j], w));    \
-            __asm__ volatile("" : "+x"(x[0]), "+x"(x[1]), "+x"(x[2]), "+x"(x[3]), "+x"(x[4]), "+x"(x[5]),       \
-                             "+x"(x[6]), "+x"(x[7]), "+x"(x[8]), "+x"(x[9]), "+x"(x[10]), "+x"(x[11]), "+x"(w), "+x"(wa)); \
+            for (int j = 0; j < BENCH_VNNI_CHAINS; j++)                                         \
+                acc[j] = dp(acc[j], w, _mm256_load_si256((const __m256i *)xs[j]));               \
+            /* the activations may have changed: reload them */                                 \
+            __asm__ volatile("" : "+x"(w) : "r"(xs) : "memory");                                \
         }                                                                                       \
         __m256i s = acc[0];                                                                     \
         _Pragma("GCC unroll 16")                                                                \
-        for (int j = 1; j < 12; j++) s = _mm256_add_epi32(s, acc[j]);                           \
+        for (int j = 1; j < BENCH_VNNI_CHAINS; j++) s = _mm256_add_epi32(s, acc[j]);           \
         return _mm256_extract_epi32(s, 0);                                                      \
     }
-BENCH_VNNI_LOOP(int8_avx_vnni, GL_VNNI_TARGET, _mm256_dpbusd_avx_epi32)
-BENCH_VNNI_LOOP(int8_avx512_vnni, GL_EVEX_TARGET, _mm256_dpbusd_epi32)
+BENCH_VNNI_LOOP(int8_avx_vnni, GL_VNNI_TARGET, bench_dp_vex)
+BENCH_VNNI_LOOP(int8_avx512_vnni, GL_EVEX_TARGET, bench_dp_evex)
 /* 512-bit (the avx512 set): FMA and vpdpbusd on zmm, 12 chains each
    (latency 4-5 cycles at 2 per cycle needs about 10 in flight) */
 static __attribute__((target(GL_A512_TARGET))) float fma_avx512(long iters) {
@@ -215,7 +233,7 @@ static __attribute__((target(GL_A512_TARGET ",avx512bf16"))) float bf16dp_avx512
 #define VNNI512_OPS_PER_ITER  (12 * 64 * 2)
 #define FMA_FLOPS_PER_ITER (12 * 8 * 2)
 #define INT8_OPS_PER_ITER  (6 * 32 * 2)
-#define VNNI_OPS_PER_ITER  (12 * 32 * 2)
+#define VNNI_OPS_PER_ITER  (BENCH_VNNI_CHAINS * 32 * 2)
 #endif
 
 #if defined(__aarch64__)

@@ -942,6 +942,14 @@ static void test_q8_stream(const gl_kernels *k) {
     test_q8_panels_rows(k, "up to 16 tokens", colss, ns, rowss);
 }
 
+/* More tokens on short rows than one block of the VNNI copies' per-token
+ * activation sums holds (X86_Q8_XSUM_MAX, 1024): the sums of the second
+ * block must be its own. */
+static void test_q8_many(const gl_kernels *k) {
+    static const int colss[] = {4, 64, 100, 129}, ns[] = {1100, 1030, 2049};
+    test_q8_panels(k, "many tokens", colss, ns);
+}
+
 static void test_q8_long(const gl_kernels *k) {
     static const int colss[] = {516, 1024, 1412, 2052}, ns[] = {13, 97, 200};
     test_q8_panels(k, "long rows", colss, ns);
@@ -1287,6 +1295,7 @@ int main(int argc, char **argv) {
         test_q8_tiles(sets[s]);
         test_q8_stream(sets[s]);
         test_q8_long(sets[s]);
+        test_q8_many(sets[s]);
         test_invariance(sets[s], pool2, pool4);
         test_qmatmul(sets[s]);
     }
