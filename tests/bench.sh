@@ -26,7 +26,8 @@
 #      native-BF16 core (--kv-bf16 --kernels avx512_bf16, on AVX512_BF16 CPUs)
 #  13. an AVX2 machine's instructions on this one: cm384's avx2 kernel set
 #      against llama.cpp built for AVX2 only (LLAMA_ISA=avx2 make peer),
-#      when this CPU has AVX-512 and that build is there
+#      when this CPU has AVX-512 and that build is there; the same for
+#      avx_vnni (LLAMA_ISA=avx_vnni make peer)
 # Numbers are medians of RUNS runs (default 3); the machine is shared.
 # BENCH_MODELS="bench-S" limits the models; BENCH_QUICK=1 runs less.
 B=${B:-build}
@@ -460,24 +461,34 @@ echo " for bf16 weights, their products too), the same bits prefilled or decoded
 echo " section 3 (int8 only).  Both approximations are opt-in: README, Kernel sets)"
 fi
 LLAMA_BENCH_AVX2=${LLAMA_BENCH_AVX2:-$PEER/bin-avx2/llama-bench}
-if want 13 && grep -q avx512f /proc/cpuinfo 2>/dev/null && [ -x "$LLAMA_BENCH_AVX2" ]; then
-echo
-echo "== 13. AVX2 only, on this CPU: cm384 --kernels avx2 against llama.cpp built without AVX-512 or VNNI ($T threads)"
-printf '%-9s %-5s | %12s %12s %7s | %12s %12s %7s\n' model dtype "llama pp512" "cm384 pp512" ratio "llama tg128" "cm384 tg128" ratio
-for name in $MODELS; do
-    for q in q8_0 bf16; do
-        g="$LLAMA_GGUF_DIR/$name-$q.gguf"
-        [ -f "$g" ] || continue
-        flag="--kernels avx2"; [ "$q" = q8_0 ] && flag="$flag --int8"
-        out=$("$LLAMA_BENCH_AVX2" -m "$g" -p 512 -n 128 -t "$T" -r "$RUNS" -o csv 2>/dev/null)
-        lpp=$(echo "$out" | grep '"512","0"' | awk -F'","' '{print $(NF-1)}' | head -n 1)
-        ltg=$(echo "$out" | grep '"0","128"' | awk -F'","' '{print $(NF-1)}' | head -n 1)
-        cpp=$(bench_median "prefill_tok_s" -m "$M/$name" -p 512 -n 1 --requests 1 -t "$T" $flag)
-        ctg=$(bench_median "decode_tok_s" -m "$M/$name" -p 1 -n 128 --requests 1 -t "$T" $flag)
-        printf '%-9s %-5s | %12.1f %12.1f %7s | %12.1f %12.1f %7s\n' "$name" "$q" "$lpp" $cpp "$(ratio $cpp "$lpp")" "$ltg" $ctg "$(ratio $ctg "$ltg")"
+LLAMA_BENCH_AVXVNNI=${LLAMA_BENCH_AVXVNNI:-$PEER/bin-avxvnni/llama-bench}
+# one table per narrower ISA whose llama.cpp build is there: cm384's set
+# of that ISA against it
+isa_table() {   # set, llama-bench, what llama.cpp was built with
+    echo
+    echo "== 13. $1 only, on this CPU: cm384 --kernels $1 against llama.cpp built $3 ($T threads)"
+    printf '%-9s %-5s | %12s %12s %7s | %12s %12s %7s\n' model dtype "llama pp512" "cm384 pp512" ratio "llama tg128" "cm384 tg128" ratio
+    for name in $MODELS; do
+        for q in q8_0 bf16; do
+            g="$LLAMA_GGUF_DIR/$name-$q.gguf"
+            [ -f "$g" ] || continue
+            flag="--kernels $1"; [ "$q" = q8_0 ] && flag="$flag --int8"
+            out=$("$2" -m "$g" -p 512 -n 128 -t "$T" -r "$RUNS" -o csv 2>/dev/null)
+            lpp=$(echo "$out" | grep '"512","0"' | awk -F'","' '{print $(NF-1)}' | head -n 1)
+            ltg=$(echo "$out" | grep '"0","128"' | awk -F'","' '{print $(NF-1)}' | head -n 1)
+            cpp=$(bench_median "prefill_tok_s" -m "$M/$name" -p 512 -n 1 --requests 1 -t "$T" $flag)
+            ctg=$(bench_median "decode_tok_s" -m "$M/$name" -p 1 -n 128 --requests 1 -t "$T" $flag)
+            printf '%-9s %-5s | %12.1f %12.1f %7s | %12.1f %12.1f %7s\n' "$name" "$q" "$lpp" $cpp "$(ratio $cpp "$lpp")" "$ltg" $ctg "$(ratio $ctg "$ltg")"
+        done
     done
-done
-echo "(the instructions of an AVX2 machine -- Haswell to Alder Lake, Zen 1-3 -- on this one's cores, caches and memory:"
-echo " a stand-in for the AVX2 machine, not a measurement of one.  Same files and runs as 3b)"
+}
+if want 13 && grep -q avx512f /proc/cpuinfo 2>/dev/null; then
+    [ -x "$LLAMA_BENCH_AVX2" ] && isa_table avx2 "$LLAMA_BENCH_AVX2" "without AVX-512 or VNNI"
+    grep -q avx_vnni /proc/cpuinfo 2>/dev/null && [ -x "$LLAMA_BENCH_AVXVNNI" ] &&
+        isa_table avx_vnni "$LLAMA_BENCH_AVXVNNI" "with AVX-VNNI, without AVX-512"
+    if [ -x "$LLAMA_BENCH_AVX2" ] || [ -x "$LLAMA_BENCH_AVXVNNI" ]; then
+        echo "(the instructions of an AVX2 machine -- Haswell to Zen 3 -- or of an AVX-VNNI laptop -- Alder Lake on -- on this"
+        echo " one's cores, caches and memory: a stand-in for such a machine, not a measurement of one.  Same files and runs as 3b)"
+    fi
 fi
 echo "load average at the end: $(cut -d' ' -f1-3 /proc/loadavg)"

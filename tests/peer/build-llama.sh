@@ -19,7 +19,9 @@
 # PEER_DIR/llama.cpp/build-avx2, PEER_DIR/bin-avx2 and PEER_DIR/READY-avx2:
 # on an AVX-512 machine, `make bench` then compares it with cm384's avx2
 # kernel set -- both sides on the ISA of an AVX2 machine, on this machine's
-# memory (section 13).
+# memory (section 13).  LLAMA_ISA=avx_vnni does the same with AVX-VNNI
+# added (what an Intel laptop from Alder Lake on runs) into build-avxvnni,
+# bin-avxvnni and READY-avxvnni, for cm384's avx_vnni set.
 #
 # `make bench` then runs llama-bench beside cm384:
 #   LLAMA_BENCH=PEER_DIR/bin/llama-bench LLAMA_GGUF_DIR=dir make bench
@@ -40,7 +42,10 @@ native) sfx=""; isa_flags="-DGGML_NATIVE=ON"; isa_desc="GGML_NATIVE=ON" ;;
 avx2)   sfx="-avx2"; TARGETS=${LLAMA_TARGETS:-llama-bench}
         isa_flags="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX_VNNI=OFF -DGGML_AVX512=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AVX512_VBMI=OFF"
         isa_desc="GGML_NATIVE=OFF, AVX2 + FMA + F16C only (no AVX-512, no VNNI)" ;;
-*) echo "build-llama.sh: LLAMA_ISA is native or avx2, not $ISA" >&2; exit 2 ;;
+avx_vnni) sfx="-avxvnni"; TARGETS=${LLAMA_TARGETS:-llama-bench}
+        isa_flags="-DGGML_NATIVE=OFF -DGGML_AVX=ON -DGGML_AVX2=ON -DGGML_FMA=ON -DGGML_F16C=ON -DGGML_BMI2=ON -DGGML_AVX_VNNI=ON -DGGML_AVX512=OFF -DGGML_AVX512_VNNI=OFF -DGGML_AVX512_BF16=OFF -DGGML_AVX512_VBMI=OFF"
+        isa_desc="GGML_NATIVE=OFF, AVX2 + FMA + F16C + AVX-VNNI (no AVX-512)" ;;
+*) echo "build-llama.sh: LLAMA_ISA is native, avx2 or avx_vnni, not $ISA" >&2; exit 2 ;;
 esac
 mkdir -p "$PEER"
 PEER=$(cd "$PEER" && pwd)
