@@ -128,6 +128,33 @@ PEER=${PEER_DIR:-$(git rev-parse --path-format=absolute --git-common-dir 2>/dev/
 [ -z "$LLAMA_BENCH" ] && [ -x "$PEER/bin/llama-bench" ] && LLAMA_BENCH=$PEER/bin/llama-bench
 LLAMA_GGUF_DIR=${LLAMA_GGUF_DIR:-$PEER/gguf}
 
+# llama-bench (path $1) against cm384 on the same weights, each model and
+# type: cm384 with --kernels $2 if given; $3 = bf16star adds cm384's opt-in
+# avx512_bf16 set against llama.cpp's BF16 (on CPUs that have it)
+peer_table() {
+    printf '%-9s %-5s | %12s %12s %7s | %12s %12s %7s\n' model dtype "llama pp512" "cm384 pp512" ratio "llama tg128" "cm384 tg128" ratio
+    for name in $MODELS; do
+        for q in q8_0 bf16; do
+            g="$LLAMA_GGUF_DIR/$name-$q.gguf"
+            [ -f "$g" ] || continue
+            flag=""; [ -n "$2" ] && flag="--kernels $2"; [ "$q" = q8_0 ] && flag="$flag --int8"
+            out=$("$1" -m "$g" -p 512 -n 128 -t "$T" -r "$RUNS" -o csv 2>/dev/null)
+            lpp=$(echo "$out" | grep '"512","0"' | awk -F'","' '{print $(NF-1)}' | head -n 1)
+            ltg=$(echo "$out" | grep '"0","128"' | awk -F'","' '{print $(NF-1)}' | head -n 1)
+            cpp=$(bench_median "prefill_tok_s" -m "$M/$name" -p 512 -n 1 --requests 1 -t "$T" $flag)
+            ctg=$(bench_median "decode_tok_s" -m "$M/$name" -p 1 -n 128 --requests 1 -t "$T" $flag)
+            printf '%-9s %-5s | %12.1f %12.1f %7s | %12.1f %12.1f %7s\n' "$name" "$q" "$lpp" $cpp "$(ratio $cpp "$lpp")" "$ltg" $ctg "$(ratio $ctg "$ltg")"
+            # llama.cpp's BF16 rounds the activations to bf16 for vdpbf16ps:
+            # cm384's opt-in set that does the same, against the same figures
+            if [ "$3" = bf16star ] && [ "$q" = bf16 ] && grep -q avx512_bf16 /proc/cpuinfo 2>/dev/null; then
+                cpp=$(bench_median "prefill_tok_s" -m "$M/$name" -p 512 -n 1 --requests 1 -t "$T" --kernels avx512_bf16)
+                ctg=$(bench_median "decode_tok_s" -m "$M/$name" -p 1 -n 128 --requests 1 -t "$T" --kernels avx512_bf16)
+                printf '%-9s %-5s | %12.1f %12.1f %7s | %12.1f %12.1f %7s\n' "$name" "bf16*" "$lpp" $cpp "$(ratio $cpp "$lpp")" "$ltg" $ctg "$(ratio $ctg "$ltg")"
+            fi
+        done
+    done
+}
+
 if want 3; then
 echo
 echo "== 3. models: prefill 512 tokens, decode 128 tokens (1 stream), decode 16 streams; medians of $RUNS"
@@ -168,27 +195,7 @@ echo " measured just before it (bench_kernels --now) or the one above, whichever
 if [ -n "$LLAMA_BENCH" ] && [ -x "$LLAMA_BENCH" ]; then
     echo
     echo "== 3b. llama.cpp on this machine (llama-bench, $T threads) against cm384 on the same weights"
-    printf '%-9s %-5s | %12s %12s %7s | %12s %12s %7s\n' model dtype "llama pp512" "cm384 pp512" ratio "llama tg128" "cm384 tg128" ratio
-    for name in $MODELS; do
-        for q in q8_0 bf16; do
-            g="$LLAMA_GGUF_DIR/$name-$q.gguf"
-            [ -f "$g" ] || continue
-            flag=""; [ "$q" = q8_0 ] && flag="--int8"
-            out=$("$LLAMA_BENCH" -m "$g" -p 512 -n 128 -t "$T" -r "$RUNS" -o csv 2>/dev/null)
-            lpp=$(echo "$out" | grep '"512","0"' | awk -F'","' '{print $(NF-1)}' | head -n 1)
-            ltg=$(echo "$out" | grep '"0","128"' | awk -F'","' '{print $(NF-1)}' | head -n 1)
-            cpp=$(bench_median "prefill_tok_s" -m "$M/$name" -p 512 -n 1 --requests 1 -t "$T" $flag)
-            ctg=$(bench_median "decode_tok_s" -m "$M/$name" -p 1 -n 128 --requests 1 -t "$T" $flag)
-            printf '%-9s %-5s | %12.1f %12.1f %7s | %12.1f %12.1f %7s\n' "$name" "$q" "$lpp" $cpp "$(ratio $cpp "$lpp")" "$ltg" $ctg "$(ratio $ctg "$ltg")"
-            # llama.cpp's BF16 rounds the activations to bf16 for vdpbf16ps:
-            # cm384's opt-in set that does the same, against the same figures
-            if [ "$q" = bf16 ] && grep -q avx512_bf16 /proc/cpuinfo 2>/dev/null; then
-                cpp=$(bench_median "prefill_tok_s" -m "$M/$name" -p 512 -n 1 --requests 1 -t "$T" --kernels avx512_bf16)
-                ctg=$(bench_median "decode_tok_s" -m "$M/$name" -p 1 -n 128 --requests 1 -t "$T" --kernels avx512_bf16)
-                printf '%-9s %-5s | %12.1f %12.1f %7s | %12.1f %12.1f %7s\n' "$name" "bf16*" "$lpp" $cpp "$(ratio $cpp "$lpp")" "$ltg" $ctg "$(ratio $ctg "$ltg")"
-            fi
-        done
-    done
+    peer_table "$LLAMA_BENCH" "" bf16star
     echo "(q8_0: llama.cpp Q8_0 against cm384 INT8 W8A8; bf16 against bf16 (cm384 exact: fp32 activations, FMA).  bf16*:"
     echo " cm384 --kernels avx512_bf16, activations rounded to bf16 for vdpbf16ps as llama.cpp's BF16 path does (opt-in,"
     echo " not the default: README, Kernel sets).  tg128 and cm384's decode here start from an empty context, as"
@@ -462,30 +469,17 @@ echo " section 3 (int8 only).  Both approximations are opt-in: README, Kernel se
 fi
 LLAMA_BENCH_AVX2=${LLAMA_BENCH_AVX2:-$PEER/bin-avx2/llama-bench}
 LLAMA_BENCH_AVXVNNI=${LLAMA_BENCH_AVXVNNI:-$PEER/bin-avxvnni/llama-bench}
-# one table per narrower ISA whose llama.cpp build is there: cm384's set
-# of that ISA against it
-isa_table() {   # set, llama-bench, what llama.cpp was built with
-    echo
-    echo "== 13. $1 only, on this CPU: cm384 --kernels $1 against llama.cpp built $3 ($T threads)"
-    printf '%-9s %-5s | %12s %12s %7s | %12s %12s %7s\n' model dtype "llama pp512" "cm384 pp512" ratio "llama tg128" "cm384 tg128" ratio
-    for name in $MODELS; do
-        for q in q8_0 bf16; do
-            g="$LLAMA_GGUF_DIR/$name-$q.gguf"
-            [ -f "$g" ] || continue
-            flag="--kernels $1"; [ "$q" = q8_0 ] && flag="$flag --int8"
-            out=$("$2" -m "$g" -p 512 -n 128 -t "$T" -r "$RUNS" -o csv 2>/dev/null)
-            lpp=$(echo "$out" | grep '"512","0"' | awk -F'","' '{print $(NF-1)}' | head -n 1)
-            ltg=$(echo "$out" | grep '"0","128"' | awk -F'","' '{print $(NF-1)}' | head -n 1)
-            cpp=$(bench_median "prefill_tok_s" -m "$M/$name" -p 512 -n 1 --requests 1 -t "$T" $flag)
-            ctg=$(bench_median "decode_tok_s" -m "$M/$name" -p 1 -n 128 --requests 1 -t "$T" $flag)
-            printf '%-9s %-5s | %12.1f %12.1f %7s | %12.1f %12.1f %7s\n' "$name" "$q" "$lpp" $cpp "$(ratio $cpp "$lpp")" "$ltg" $ctg "$(ratio $ctg "$ltg")"
-        done
-    done
-}
 if want 13 && grep -q avx512f /proc/cpuinfo 2>/dev/null; then
-    [ -x "$LLAMA_BENCH_AVX2" ] && isa_table avx2 "$LLAMA_BENCH_AVX2" "without AVX-512 or VNNI"
-    grep -q avx_vnni /proc/cpuinfo 2>/dev/null && [ -x "$LLAMA_BENCH_AVXVNNI" ] &&
-        isa_table avx_vnni "$LLAMA_BENCH_AVXVNNI" "with AVX-VNNI, without AVX-512"
+    if [ -x "$LLAMA_BENCH_AVX2" ]; then
+        echo
+        echo "== 13. avx2 only, on this CPU: cm384 --kernels avx2 against llama.cpp built without AVX-512 or VNNI ($T threads)"
+        peer_table "$LLAMA_BENCH_AVX2" avx2
+    fi
+    if grep -q avx_vnni /proc/cpuinfo 2>/dev/null && [ -x "$LLAMA_BENCH_AVXVNNI" ]; then
+        echo
+        echo "== 13. avx_vnni only, on this CPU: cm384 --kernels avx_vnni against llama.cpp built with AVX-VNNI, without AVX-512 ($T threads)"
+        peer_table "$LLAMA_BENCH_AVXVNNI" avx_vnni
+    fi
     if [ -x "$LLAMA_BENCH_AVX2" ] || [ -x "$LLAMA_BENCH_AVXVNNI" ]; then
         echo "(the instructions of an AVX2 machine -- Haswell to Zen 3 -- or of an AVX-VNNI laptop -- Alder Lake on -- on this"
         echo " one's cores, caches and memory: a stand-in for such a machine, not a measurement of one.  Same files and runs as 3b)"
