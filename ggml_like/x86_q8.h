@@ -46,7 +46,6 @@ X86_Q8_INLINE __m256i X86_Q8(x4)(const int8_t *p, int nb) {
     return _mm256_set1_epi32(v);
 }
 
-/* Panel p (rows 16p..16p+15) times nt tokens; y rows in [r0, r1) only. */
 /* The offset copies' per-token sums of activations: xsum[i] = sum of token
  * i's cols bytes (exact in any order). */
 X86_Q8_INLINE void X86_Q8(xsums)(const int8_t *xq, int n, int ldx, int cols, int32_t *xsum) {
@@ -63,6 +62,8 @@ X86_Q8_INLINE void X86_Q8(xsums)(const int8_t *xq, int n, int ldx, int cols, int
     }
 }
 
+/* Panel p (rows 16p..16p+15) times nt tokens; y rows in [r0, r1) only
+ * (xsum: the tokens' sums, read by the offset copies alone). */
 X86_Q8_INLINE void X86_Q8(tile_q8)(const gl_mat *w, int p, const int8_t *xq, const float *xs, const int32_t *xsum,
                                  int ldx, int nt, float *y, int ldy, int r0, int r1, const int8_t *pf) {
     const int8_t *panel = (const int8_t *)w->data + (size_t)p * gl_q8_panel_bytes(w->cols);

@@ -140,7 +140,7 @@ static BENCH_AVX2 int int8_avx2(long iters) {
 
 /* The same with VNNI's vpdpbusd (the avx_vnni / avx512_vnni sets): one
  * instruction for 32 products and their sums, as the kernels use it (the
- * weights offset to unsigned once per vector, x86_q8.h), 10 chains, each
+ * weights offset to unsigned once per vector, x86_q8.h), 12 chains, each
  * on its own activation vector reloaded from L1 every time as the kernels'
  * are.  The sums must stay in registers, tied in place: VEX code has 16 ymm
  * registers, and 12 chains each holding its activations in one spilled
