@@ -194,7 +194,7 @@ static int pe_on_event(void *user, const cm384_event *ev) {
     return 0;
 }
 
-static void pe_submit(cm384_engine *e, pe_job *j) {
+static void pe_submit_fn(cm384_engine *e, pe_job *j, cm384_event_fn fn) {
     cm384_sampling s;
     cm384_sampling_init(&s);
     s.max_tokens = j->max_tokens;
@@ -202,9 +202,11 @@ static void pe_submit(cm384_engine *e, pe_job *j) {
     cm384_request rq;
     cm384_request_init(&rq);
     rq.ids = j->prompt; rq.n_ids = j->n_prompt; rq.sampling = &s;
-    rq.on_event = pe_on_event; rq.user = j;
+    rq.on_event = fn; rq.user = j;
     if (cm384_submit(e, &rq, &j->id)) printf("  submit: %s\n", cm384_last_error());
 }
+
+static void pe_submit(cm384_engine *e, pe_job *j) { pe_submit_fn(e, j, pe_on_event); }
 
 static cm384_engine *pe_engine_share(cm384_model *m, const char *preset, int time_shared, int chunk, double share) {
     cm384_config c;
@@ -346,7 +348,23 @@ static void pe_lend_budget(void) {
     printf("lending budget (prefill_share, TPOT slack): %d of %d cases\n", ok, n);
 }
 
-/* The trace: prefill devices and decode devices busy at the same time. */
+/* The trace: prefill devices and decode devices busy at the same time.
+ * The decoders' second token (on decode's thread, inside a decode step)
+ * waits until the prefill lane is computing the long prompts, so that they
+ * have most of their tokens left when that step begins: without the hold a
+ * slow start of the prefill step let them run out first (seen in CI). */
+static cm384_engine *pe_hold_engine;
+static int pe_hold_waits;
+static int pe_hold_on_event(void *user, const cm384_event *ev) {
+    pe_job *j = user;
+    if (ev->kind == CM384_EV_TOKEN && j->n_out == 1 && pe_hold_engine) {
+        peer *P = &pe_hold_engine->peers[LANE_PREFILL];
+        for (int spins = 0; spins < 50000 && !atomic_load(&P->computing); spins++) usleep(200);   /* 10 s at most */
+        __atomic_add_fetch(&pe_hold_waits, !atomic_load(&P->computing), __ATOMIC_SEQ_CST);
+    }
+    return pe_on_event(user, ev);
+}
+
 static void pe_trace_overlap(cm384_model *m) {
     char path[] = "/tmp/cm384-peers-trace-XXXXXX";
     int fd = mkstemp(path);
@@ -364,16 +382,21 @@ static void pe_trace_overlap(cm384_model *m) {
         jobs[i].max_tokens = i < 4 ? 240 : 2;      /* the short ones decode until they are cancelled */
         for (int t = 0; t < jobs[i].n_prompt; t++) jobs[i].prompt[t] = t ? 3 + (t * 31 + i) % 1000 : 0;
     }
-    for (int i = 0; i < 4; i++) pe_submit(e, &jobs[i]);
-    for (int spins = 0; spins < 100000 && __atomic_load_n(&jobs[3].n_out, __ATOMIC_SEQ_CST) < 2; spins++) usleep(200);
+    pe_hold_engine = e;
+    pe_hold_waits = 0;
+    for (int i = 0; i < 4; i++) pe_submit_fn(e, &jobs[i], pe_hold_on_event);
+    /* the first tokens come from prefill's step, so the long prompts join
+       none of the decoders' prefill */
+    for (int spins = 0; spins < 100000 && __atomic_load_n(&jobs[3].n_out, __ATOMIC_SEQ_CST) < 1; spins++) usleep(200);
     pe_submit(e, &jobs[4]);
     pe_submit(e, &jobs[5]);
-    /* the decoding requests outlast the long prompts' prefill, however the
-       threads are scheduled: they are cancelled only once those are done */
+    /* the decoding requests are cancelled only once the long prompts are done */
     cm384_wait(e, jobs[4].id, -1);
     cm384_wait(e, jobs[5].id, -1);
     for (int i = 0; i < 4; i++) cm384_cancel(e, jobs[i].id);
     cm384_wait_all(e);
+    pe_hold_engine = NULL;
+    CHECK(pe_hold_waits == 0, "%d decoders stopped waiting for the prefill step", pe_hold_waits);
     /* the events, before the engine writes them out */
     /* steps on the peers' tracks: a decode step the counters saw inside a
        prefill step overlaps it in the trace; devices: the same, per event */
