@@ -54,11 +54,12 @@
  * a512_tokens_outer. */
 #define A512_NR_WIDE 6
 #define A512_NT_WIDE 6
-/* 1-2 tokens (decode) on rows of 1 KB or more go one row at a time: the
- * rows then stream from DRAM as one sequential run, while a panel's four
- * rows read side by side are four streams a row apart, which Zen 5's
- * prefetchers fetch about a quarter slower (one thread, weights from DRAM:
- * 2048x2048 int8 18.9 -> 24.9 GB/s).  Shorter rows: a panel is one run. */
+/* 1-2 tokens (decode) on rows of 1 KB or more go one row at a time (two
+ * at once, from the two halves of the rows: a512_rows2): the rows then
+ * stream from DRAM as sequential runs, while a panel's four rows read side
+ * by side are four streams a row apart, which Zen 5's prefetchers fetch
+ * about a quarter slower (one thread, weights from DRAM: 2048x2048 int8
+ * 18.9 -> 24.9 GB/s).  Shorter rows: a panel is one run. */
 #define A512_ROWWISE_MAX_N 2
 #define A512_ROWWISE_MIN_BYTES 1024
 
@@ -143,11 +144,12 @@ GL_A512_INLINE __m512 a512_load_w(int type, const uint8_t *p, __m512 scale, __mm
     }
 }
 
-/* One register tile: y[t*ldy + r+k] = W[r+k] . x[t*ldx] for k < nr, t < nt
- * (constants after inlining).  pf: an address to prefetch from, at the
- * pace this tile reads its rows. */
-GL_A512_INLINE void a512_tile(int type, const gl_mat *w, int r, int nr, const float *x, int ldx, int nt,
-                              float *y, int ldy, const uint8_t *pf) {
+/* One register tile: y[t*ldy + r+k*rs] = W[r+k*rs] . x[t*ldx] for k < nr,
+ * t < nt (constants after inlining; rs, the rows between the tile's rows,
+ * is 1 but in a512_rows2).  pf: an address to prefetch from, at the pace
+ * this tile reads its rows (rs > 1: row k's at pf + k*rs rows). */
+GL_A512_INLINE void a512_tile_rs(int type, const gl_mat *w, int r, int nr, int rs, const float *x, int ldx, int nt,
+                                 float *y, int ldy, const uint8_t *pf) {
     const int cols = w->cols, full = cols & ~15;
     const size_t es = gl_type_size(type);
     const int bcols = (cols + GL_F8_BLOCK - 1) / GL_F8_BLOCK;
@@ -156,8 +158,8 @@ GL_A512_INLINE void a512_tile(int type, const gl_mat *w, int r, int nr, const fl
     __m512 acc[A512_NR_WIDE][A512_NT_WIDE], s[A512_NR_WIDE], wv[A512_NR_WIDE];
 #pragma GCC unroll 6
     for (int k = 0; k < nr; k++) {
-        wr[k] = (const uint8_t *)w->data + (size_t)(r + k) * (size_t)cols * es;
-        wsc[k] = type == GL_F8_E4M3 ? w->scale + (size_t)((r + k) / GL_F8_BLOCK) * (size_t)bcols : NULL;
+        wr[k] = (const uint8_t *)w->data + (size_t)(r + k * rs) * (size_t)cols * es;
+        wsc[k] = type == GL_F8_E4M3 ? w->scale + (size_t)((r + k * rs) / GL_F8_BLOCK) * (size_t)bcols : NULL;
         s[k] = _mm512_setzero_ps();
 #pragma GCC unroll 6
         for (int t = 0; t < nt; t++) acc[k][t] = _mm512_setzero_ps();
@@ -169,10 +171,15 @@ GL_A512_INLINE void a512_tile(int type, const gl_mat *w, int r, int nr, const fl
         }
         int ce = cb + GL_F8_BLOCK < full ? cb + GL_F8_BLOCK : full;
         for (int c = cb; c < ce; c += 16) {
-            const uint8_t *pc = pf + (size_t)c * (size_t)nr * es;
-            _mm_prefetch((const char *)pc, _MM_HINT_NTA);
-            if (nr * es * 16 > 64) _mm_prefetch((const char *)pc + 64, _MM_HINT_NTA);
-            if (nr * es * 16 > 128) { _mm_prefetch((const char *)pc + 128, _MM_HINT_NTA); _mm_prefetch((const char *)pc + 192, _MM_HINT_NTA); }
+            if (rs > 1) {
+#pragma GCC unroll 6
+                for (int k = 0; k < nr; k++) _mm_prefetch((const char *)pf + ((size_t)k * rs * cols + c) * es, _MM_HINT_NTA);
+            } else {
+                const uint8_t *pc = pf + (size_t)c * (size_t)nr * es;
+                _mm_prefetch((const char *)pc, _MM_HINT_NTA);
+                if (nr * es * 16 > 64) _mm_prefetch((const char *)pc + 64, _MM_HINT_NTA);
+                if (nr * es * 16 > 128) { _mm_prefetch((const char *)pc + 128, _MM_HINT_NTA); _mm_prefetch((const char *)pc + 192, _MM_HINT_NTA); }
+            }
 #pragma GCC unroll 6
             for (int k = 0; k < nr; k++) wv[k] = a512_load_w(type, wr[k] + (size_t)c * es, s[k], 0, 1);
 #pragma GCC unroll 6
@@ -196,7 +203,7 @@ GL_A512_INLINE void a512_tile(int type, const gl_mat *w, int r, int nr, const fl
     }
     /* 4 rows x 4 tokens reduced together, the rest of a wide tile one sum
        at a time: the same pairs in the same order, so the same bits */
-    const int quad = nr >= 4 && nt >= 4;
+    const int quad = nr >= 4 && nt >= 4 && rs == 1;
     if (quad) {
         __m512 a[16];
         for (int k = 0; k < 4; k++)
@@ -207,7 +214,12 @@ GL_A512_INLINE void a512_tile(int type, const gl_mat *w, int r, int nr, const fl
     for (int t = 0; t < nt; t++)
 #pragma GCC unroll 6
         for (int k = 0; k < nr; k++)
-            if (!quad || k >= 4 || t >= 4) y[(size_t)t * ldy + r + k] = a512_hsum(acc[k][t]);
+            if (!quad || k >= 4 || t >= 4) y[(size_t)t * ldy + r + k * rs] = a512_hsum(acc[k][t]);
+}
+
+GL_A512_INLINE void a512_tile(int type, const gl_mat *w, int r, int nr, const float *x, int ldx, int nt,
+                              float *y, int ldy, const uint8_t *pf) {
+    a512_tile_rs(type, w, r, nr, 1, x, ldx, nt, y, ldy, pf);
 }
 
 /* The tile for nt = 1..4 tokens (nr stays a constant); _of with wide: 1..6. */
@@ -239,6 +251,27 @@ GL_A512_INLINE void a512_panels(int type, const gl_mat *w, int nr, const float *
             a512_tile_nt(type, w, r, nr, x + (size_t)i * ldx, ldx, nt, y + (size_t)i * ldy, ldy, pf);
         }
     }
+}
+
+/* Rows [r, r1) one at a time for 1-2 tokens, as two sequential runs: row i
+ * of the first half beside row i of the second.  One row is one FMA chain
+ * (the lanes fix the order), 16 values every FMA latency, which from DRAM
+ * holds a thread under its share of the bandwidth; two rows a row apart are
+ * two streams that jump, which the prefetchers follow worse (see
+ * A512_ROWWISE_MIN_BYTES).  Two halves are two chains on two runs the
+ * prefetchers follow.  Each row's sum is the one a row alone gets. */
+GL_A512_INLINE void a512_rows2(int type, const gl_mat *w, const float *x, int n, int ldx, float *y, int ldy, int r,
+                               int r1) {
+    const size_t row_bytes = (size_t)w->cols * gl_type_size(type);
+    const int half = (r1 - r) / 2;
+    const uint8_t *base = (const uint8_t *)w->data;
+    for (int i = 0; i < half; i++) {
+        const int ra = r + i, ahead = i + GL_PF_PANELS < half ? GL_PF_PANELS : 0;
+        const uint8_t *pf = base + (size_t)(ra + ahead) * row_bytes;
+        if (n == 1) a512_tile_rs(type, w, ra, 2, half, x, ldx, 1, y, ldy, pf);
+        else a512_tile_rs(type, w, ra, 2, half, x, ldx, 2, y, ldy, pf);
+    }
+    a512_panels(type, w, 1, x, n, ldx, y, ldy, r + 2 * half, r1);
 }
 
 /* A matrix small enough to stay in L1 (16 rows x 576 floats, say) goes the
@@ -283,7 +316,8 @@ GL_A512_INLINE void a512_matmul_typed(int type, int wide, const gl_mat *w, const
         const int ni = n - i0 < nb ? n - i0 : nb;
         if (wide) a512_panels(type, w, A512_NR_WIDE, x + (size_t)i0 * ldx, ni, ldx, y + (size_t)i0 * ldy, ldy, r0, r6);
         a512_panels(type, w, A512_NR, x + (size_t)i0 * ldx, ni, ldx, y + (size_t)i0 * ldy, ldy, r6, r4);
-        a512_panels(type, w, 1, x + (size_t)i0 * ldx, ni, ldx, y + (size_t)i0 * ldy, ldy, r4, r1);
+        if (r == r0 && ni <= A512_ROWWISE_MAX_N) a512_rows2(type, w, x + (size_t)i0 * ldx, ni, ldx, y + (size_t)i0 * ldy, ldy, r4, r1);
+        else a512_panels(type, w, 1, x + (size_t)i0 * ldx, ni, ldx, y + (size_t)i0 * ldy, ldy, r4, r1);
     }
 }
 
