@@ -394,6 +394,7 @@ GL_A512_INLINE void a512_dpbusd(__m512i *acc, __m512i w, __m512i x) {
 #define A512_Q8_KC 512     /* columns per slice, many tokens         */
 #define A512_Q8_KNT 96     /* tokens whose sums wait on the stack    */
 #define A512_Q8_PF 4096    /* prefetch distance streaming from DRAM, bytes */
+#define A512_Q8_RUN_PF 2048 /* ... for each of a512_q8_runs' runs      */
 
 static inline int32_t a512_load_i32(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return v; }
 /* The first nb (< 4) bytes at p, zero-padded: a token's last, partial group
@@ -534,46 +535,71 @@ GL_A512_INLINE void a512_q8_sliced(const gl_mat *w, int n, const int8_t *xq, int
     }
 }
 
-/* One or two tokens, a panel at a time (one sequential run of bytes); four
- * sums a token over alternate groups, so no vpdpbusd waits on the last. */
-GL_A512_INLINE void a512_q8_panelwise(const gl_mat *w, int nt, const int8_t *xq, int ldx, const int32_t *xsum,
-                                      const float *xs, int r0, int r1, float *y, int ldy) {
+/* One or two tokens over the panels [P, P + ns*part): ns panels at once,
+ * the i-th of each of ns equal runs, so that a thread reads ns sequential
+ * runs of bytes side by side -- one run at a time leaves the core short of
+ * misses in flight (a Zen 5 core: 58-65 GB/s on 2 threads one run each,
+ * 79-81 with four and the prefetch 2 KB ahead, against a read limit of
+ * 78-80).  Two sums a (panel, token), over alternate groups: DRAM, not the
+ * vpdpbusd latency, bounds a few tokens.  Integer sums, so the order of
+ * the groups changes no bit.  ns is a constant where it is called. */
+GL_A512_INLINE void a512_q8_runs(const gl_mat *w, const int ns, int nt, int P, int part, const int8_t *xq, int ldx,
+                                 const int32_t *xsum, const float *xs, int r0, int r1, float *y, int ldy) {
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     const size_t ps = gl_q8_panel_bytes(w->cols);
-    const int G = w->cols / 4, G4 = G & ~3;
-    for (int P = r0 / 16; 16 * P < r1; P++) {
-        const int8_t *wp = (const int8_t *)w->data + (size_t)P * ps;
-        __m512i a[2][4];
-        for (int t = 0; t < 2; t++)
-            for (int j = 0; j < 4; j++) a[t][j] = _mm512_setzero_si512();
-        int g = 0;
-        for (; g < G4; g += 4) {
+    const int G = w->cols / 4, G2 = G & ~1, rem = w->cols - 4 * G;
+    for (int i = 0; i < part; i++) {
+        const int8_t *wp[4];
+        __m512i a[4][2][2];                    /* [run][token][alternate groups] */
 #pragma GCC unroll 4
-            for (int j = 0; j < 4; j++) _mm_prefetch((const char *)((uintptr_t)(wp + 64 * (size_t)(g + j)) + A512_Q8_PF), _MM_HINT_NTA);
+        for (int s = 0; s < ns; s++) {
+            wp[s] = (const int8_t *)w->data + (size_t)(P + s * part + i) * ps;
+            a[s][0][0] = a[s][0][1] = a[s][1][0] = a[s][1][1] = _mm512_setzero_si512();
+        }
+        for (int g = 0; g < G2; g += 2) {
+#pragma GCC unroll 2
+            for (int j = 0; j < 2; j++) {
+                const __m512i x0 = _mm512_set1_epi32(a512_load_i32(xq + 4 * (size_t)(g + j)));
+                const __m512i x1 = nt > 1 ? _mm512_set1_epi32(a512_load_i32(xq + ldx + 4 * (size_t)(g + j))) : x0;
 #pragma GCC unroll 4
-            for (int j = 0; j < 4; j++) {
-                const __m512i wv = _mm512_xor_si512(_mm512_loadu_si512(wp + 64 * (size_t)(g + j)), flip);
-                a512_dpbusd(&a[0][j], wv, _mm512_set1_epi32(a512_load_i32(xq + 4 * (size_t)(g + j))));
-                if (nt > 1) a512_dpbusd(&a[1][j], wv, _mm512_set1_epi32(a512_load_i32(xq + ldx + 4 * (size_t)(g + j))));
+                for (int s = 0; s < ns; s++) {
+                    const int8_t *line = wp[s] + 64 * (size_t)(g + j);
+                    _mm_prefetch((const char *)((uintptr_t)line + A512_Q8_RUN_PF), _MM_HINT_NTA);
+                    const __m512i wv = _mm512_xor_si512(_mm512_loadu_si512(line), flip);
+                    a512_dpbusd(&a[s][0][j], wv, x0);
+                    if (nt > 1) a512_dpbusd(&a[s][1][j], wv, x1);
+                }
             }
         }
-        for (; g < G; g++) {
-            const __m512i wv = _mm512_xor_si512(_mm512_loadu_si512(wp + 64 * (size_t)g), flip);
-            a512_dpbusd(&a[0][0], wv, _mm512_set1_epi32(a512_load_i32(xq + 4 * (size_t)g)));
-            if (nt > 1) a512_dpbusd(&a[1][0], wv, _mm512_set1_epi32(a512_load_i32(xq + ldx + 4 * (size_t)g)));
+        for (int g = G2; g < G + (rem > 0); g++) {     /* an odd last group, and the partial one */
+            const int nb = g < G ? 4 : rem;
+            const __m512i x0 = _mm512_set1_epi32(a512_load_i32_part(xq + 4 * (size_t)g, nb));
+            const __m512i x1 = nt > 1 ? _mm512_set1_epi32(a512_load_i32_part(xq + ldx + 4 * (size_t)g, nb)) : x0;
+#pragma GCC unroll 4
+            for (int s = 0; s < ns; s++) {
+                const __m512i wv = _mm512_xor_si512(_mm512_loadu_si512(wp[s] + 64 * (size_t)g), flip);
+                a512_dpbusd(&a[s][0][0], wv, x0);
+                if (nt > 1) a512_dpbusd(&a[s][1][0], wv, x1);
+            }
         }
-        const int rem = w->cols - 4 * G;
-        if (rem) {                             /* the last, partial group */
-            const __m512i wv = _mm512_xor_si512(_mm512_loadu_si512(wp + 64 * (size_t)G), flip);
+#pragma GCC unroll 4
+        for (int s = 0; s < ns; s++) {
+            const int Ps = P + s * part + i;
+            const __mmask16 m = a512_rows_mask(Ps, r0, r1);
             for (int t = 0; t < nt; t++)
-                a512_dpbusd(&a[t][0], wv, _mm512_set1_epi32(a512_load_i32_part(xq + (size_t)t * ldx + 4 * (size_t)G, rem)));
-        }
-        const __mmask16 m = a512_rows_mask(P, r0, r1);
-        for (int t = 0; t < nt; t++) {
-            const __m512i sum = _mm512_add_epi32(_mm512_add_epi32(a[t][0], a[t][1]), _mm512_add_epi32(a[t][2], a[t][3]));
-            a512_q8_store(sum, xsum[t], xs[t], w->scale + 16 * P, m, y + (size_t)t * ldy + 16 * P);
+                a512_q8_store(_mm512_add_epi32(a[s][t][0], a[s][t][1]), xsum[t], xs[t], w->scale + 16 * Ps, m,
+                              y + (size_t)t * ldy + 16 * Ps);
         }
     }
+}
+
+/* One or two tokens (decode) over rows [r0, r1): the panels four runs at a
+ * time, the last few one at a time. */
+GL_A512_INLINE void a512_q8_decode(const gl_mat *w, int nt, const int8_t *xq, int ldx, const int32_t *xsum,
+                                   const float *xs, int r0, int r1, float *y, int ldy) {
+    const int P0 = r0 / 16, np = (r1 + 15) / 16 - P0, part = np / 4;
+    a512_q8_runs(w, 4, nt, P0, part, xq, ldx, xsum, xs, r0, r1, y, ldy);
+    for (int P = P0 + 4 * part; P < P0 + np; P++) a512_q8_runs(w, 1, nt, P, 1, xq, ldx, xsum, xs, r0, r1, y, ldy);
 }
 
 /* acc += w . (token's 4 bytes at p, broadcast): the broadcast folded into
@@ -588,7 +614,7 @@ GL_A512_INLINE void a512_dpbusd_b4(__m512i *acc, __m512i w, const int8_t *p) {
 }
 
 /* 3 to A512_Q8_STREAM_NT tokens (a decode batch's few per expert), a panel
- * at a time as a512_q8_panelwise: a panel is one sequential run of bytes,
+ * at a time: a panel is one sequential run of bytes,
  * which the prefetchers stream faster than four side by side, and each
  * 64-byte group feeds every token.  The tokens come interleaved,
  * xt[g * ntp + t] = token t's group g (zero-padded like the weights;
@@ -675,7 +701,7 @@ static GL_A512 void a512_matmul_q8(const gl_mat *w, const int8_t *xq, const floa
         float *yb = y + (size_t)i0 * ldy;
         a512_xsums(xb, ni, ldx, w->cols, xsum);
         const int ntp = (ni + 3) & ~3;                  /* tokens interleaved, with the padding */
-        if (ni <= 2) a512_q8_panelwise(w, ni, xb, ldx, xsum, xs, r0, r1, yb, ldy);
+        if (ni <= 2) a512_q8_decode(w, ni, xb, ldx, xsum, xs, r0, r1, yb, ldy);
         else if (ni <= A512_Q8_STREAM_NT &&
                  (size_t)ntp * gl_q8_cols4(w->cols) <= A512_Q8_STREAM_BYTES) {
             _Alignas(64) int32_t xt[A512_Q8_STREAM_BYTES / 4];

@@ -403,6 +403,7 @@ typedef struct {
     int n_mats, n, chunk, chunks_per_mat;
     const float *x; const int8_t *xq; const float *xs; int ldx;
     float *y;
+    int many_products;        /* one region for all n_mats (a MoE layer's experts) */
 } mm_bench;
 
 static void mm_bench_task(void *ctx, int task, int worker) {
@@ -414,25 +415,38 @@ static void mm_bench_task(void *ctx, int task, int worker) {
     else b->k->matmul(w, b->x, b->n, b->ldx, b->y, w->rows, r0, r1);
 }
 
-/* cm384's mm_run: ~8 chunks per worker, multiples of 16 rows. */
-static int chunk_rows(int rows, int workers) {
-    int want = workers > 1 ? workers * 8 : 1;
-    int chunk = (rows + want - 1) / want;
-    if (chunk < 16) chunk = 16;
+/* The rows of a task as cm384's region_add_mm cuts a product: ~256 KB of
+ * weights a task and at least two tasks a worker, but up to 16 tokens
+ * (decode) stream 1 MB a task, one task a worker at least -- and in a
+ * region of many products (a MoE layer's experts) the products balance the
+ * workers, so each is cut by its bytes alone.  Multiples of 16 rows. */
+static int chunk_rows(const gl_mat *w, int n, int workers, int many_products) {
+    size_t bytes = (size_t)w->rows * gl_row_bytes(w->type, w->cols);
+    int streams = n <= 16;
+    size_t per_task = streams ? 1024u << 10 : 256u << 10;
+    int nc = (int)((bytes + per_task - 1) / per_task);
+    int spread = workers > 1 ? (streams ? 1 : 2) * workers : 1;
+    if (many_products && streams) spread = 1;
+    if (nc < spread) nc = spread;
+    if (nc > (w->rows + 15) / 16) nc = (w->rows + 15) / 16;
+    int chunk = (w->rows + nc - 1) / nc;
     return (chunk + 15) & ~15;
 }
 
-/* Seconds for one pass over all matrices, one parallel region per matrix
- * (as the engine issues them). */
+/* Seconds for one pass over all matrices: one parallel region per matrix
+ * (as the engine issues a dense layer's products), or with many_products
+ * one region for them all (as it issues a MoE layer's experts). */
 static double time_matmul(gl_pool *p, mm_bench *b) {
-    b->chunk = chunk_rows(b->w[0].rows, gl_pool_size(p));
+    b->chunk = chunk_rows(&b->w[0], b->n, gl_pool_size(p), b->many_products);
     b->chunks_per_mat = (b->w[0].rows + b->chunk - 1) / b->chunk;
     const gl_mat *all = b->w;
     double t0 = now();
-    for (int m = 0; m < b->n_mats; m++) {
-        b->w = all + m;
-        gl_pool_run(p, b->chunks_per_mat, mm_bench_task, b);
-    }
+    if (b->many_products) gl_pool_run(p, b->chunks_per_mat * b->n_mats, mm_bench_task, b);
+    else
+        for (int m = 0; m < b->n_mats; m++) {
+            b->w = all + m;
+            gl_pool_run(p, b->chunks_per_mat, mm_bench_task, b);
+        }
     b->w = all;
     return now() - t0;
 }
@@ -710,7 +724,7 @@ int main(int argc, char **argv) {
             double mat_bytes = (double)rows * cols * gl_type_size(type);
             int n_mats = (int)(total_mb * 1048576 / mat_bytes) + 1;
             gl_mat *w = make_mats(type, rows, cols, n_mats);
-            mm_run_ctx mc = {{k, w, n_mats, 1, 0, 0, x, xq, xs, cols_max, y}, pn, mat_bytes * n_mats};
+            mm_run_ctx mc = {{k, w, n_mats, 1, 0, 0, x, xq, xs, cols_max, y, 0}, pn, mat_bytes * n_mats};
             const char *tn = type == GL_Q8 ? "q8" : "bf16";
             bw_ctx bc = {&L, pn};
             snprintf(what, sizeof what, "matmul n=1 %s %dx%d (%d mats)", tn, rows, cols, n_mats);
@@ -731,11 +745,27 @@ int main(int argc, char **argv) {
             free_mats(w, n_mats);
         }
 
+    /* a MoE layer's experts at decode: many 1 MB products (an expert's
+       gate and up, 1024x1024 INT8 or 512x1024 bf16) in one region, each
+       one task */
+    for (int ti = 0; ti < 2; ti++) {
+        int type = types[ti], cols = 1024, rows = type == GL_Q8 ? 1024 : 512;
+        double mat_bytes = (double)rows * cols * gl_type_size(type);
+        int n_mats = (int)(total_mb * 1048576 / mat_bytes) + 1;
+        gl_mat *w = make_mats(type, rows, cols, n_mats);
+        mm_run_ctx mc = {{k, w, n_mats, 1, 0, 0, x, xq, xs, cols_max, y, 1}, pn, mat_bytes * n_mats};
+        bw_ctx bc = {&L, pn};
+        snprintf(what, sizeof what, "experts n=1 %s %dx%d, one task each (%d)", type == GL_Q8 ? "q8" : "bf16", rows, cols, n_mats);
+        snprintf(vs, sizeof vs, "read bw %dT", threads);
+        paired(what, "GB/s", vs, 7, mm_gbps, &mc, bw_measure, &bc);
+        free_mats(w, n_mats);
+    }
+
     /* GEMM (prefill): n=512, one matrix (2048x2048) */
     for (int ti = 0; ti < 2; ti++) {
         int type = types[ti], rows = 2048, cols = 2048, n = quick ? 128 : n_max;
         gl_mat *w = make_mats(type, rows, cols, 1);
-        mm_run_ctx mc = {{k, w, 1, n, 0, 0, x, xq, xs, cols_max, y}, pn, 0};
+        mm_run_ctx mc = {{k, w, 1, n, 0, 0, x, xq, xs, cols_max, y, 0}, pn, 0};
         peak_ctx pc = {&L, type == GL_Q8 ? int8_kind : fma_kind};
         mm_gops(&mc);   /* warm up */
         snprintf(what, sizeof what, "gemm n=%d %s %dx%d", n, type == GL_Q8 ? "q8" : "bf16", rows, cols);
@@ -746,7 +776,7 @@ int main(int argc, char **argv) {
            streams them from DRAM (packing and prefetching show here) */
         int n_mats = (int)(total_mb * 1048576 / ((double)rows * cols * gl_type_size(type))) + 1;
         w = make_mats(type, rows, cols, n_mats);
-        mm_run_ctx mcd = {{k, w, n_mats, n, 0, 0, x, xq, xs, cols_max, y}, pn, 0};
+        mm_run_ctx mcd = {{k, w, n_mats, n, 0, 0, x, xq, xs, cols_max, y, 0}, pn, 0};
         snprintf(what, sizeof what, "gemm n=%d %s %dx%d (%d mats)", n, type == GL_Q8 ? "q8" : "bf16", rows, cols, n_mats);
         paired(what, "GOP/s", type == GL_Q8 ? "int8 peak" : "fp32 FMA peak", 5, mm_gops, &mcd,
                fma_peak > 0 ? peak_measure : NULL, &pc);
@@ -760,7 +790,7 @@ int main(int argc, char **argv) {
             int type = types[ti];
             gl_mat *w = make_mats(type, 2048, 2048, 8);
             for (size_t ni = 0; ni < sizeof ns / sizeof *ns; ni++) {
-                mm_run_ctx mc = {{k, w, 8, ns[ni], 0, 0, x, xq, xs, cols_max, y}, pn, 0};
+                mm_run_ctx mc = {{k, w, 8, ns[ni], 0, 0, x, xq, xs, cols_max, y, 0}, pn, 0};
                 snprintf(what, sizeof what, "sweep %s 2048x2048 n=%d", type == GL_Q8 ? "q8" : "bf16", ns[ni]);
                 double v[5];
                 for (int r = 0; r < 5; r++) v[r] = mm_gops(&mc);
