@@ -54,8 +54,8 @@
  * a512_tokens_outer. */
 #define A512_NR_WIDE 6
 #define A512_NT_WIDE 6
-/* 1-2 tokens (decode) on rows of 1 KB or more go one row at a time (two
- * at once, from the two halves of the rows: a512_rows2): the rows then
+/* 1-2 tokens (decode) on rows of 1 KB or more go one row at a time (four
+ * at once, one from each quarter of the rows: a512_row_runs): the rows then
  * stream from DRAM as sequential runs, while a panel's four rows read side
  * by side are four streams a row apart, which Zen 5's prefetchers fetch
  * about a quarter slower (one thread, weights from DRAM: 2048x2048 int8
@@ -146,7 +146,7 @@ GL_A512_INLINE __m512 a512_load_w(int type, const uint8_t *p, __m512 scale, __mm
 
 /* One register tile: y[t*ldy + r+k*rs] = W[r+k*rs] . x[t*ldx] for k < nr,
  * t < nt (constants after inlining; rs, the rows between the tile's rows,
- * is 1 but in a512_rows2).  pf: an address to prefetch from, at the pace
+ * is 1 but in a512_row_runs).  pf: an address to prefetch from, at the pace
  * this tile reads its rows (rs > 1: row k's at pf + k*rs rows). */
 GL_A512_INLINE void a512_tile_rs(int type, const gl_mat *w, int r, int nr, int rs, const float *x, int ldx, int nt,
                                  float *y, int ldy, const uint8_t *pf) {
@@ -253,25 +253,28 @@ GL_A512_INLINE void a512_panels(int type, const gl_mat *w, int nr, const float *
     }
 }
 
-/* Rows [r, r1) one at a time for 1-2 tokens, as two sequential runs: row i
- * of the first half beside row i of the second.  One row is one FMA chain
- * (the lanes fix the order), 16 values every FMA latency, which from DRAM
- * holds a thread under its share of the bandwidth; two rows a row apart are
- * two streams that jump, which the prefetchers follow worse (see
- * A512_ROWWISE_MIN_BYTES).  Two halves are two chains on two runs the
- * prefetchers follow.  Each row's sum is the one a row alone gets. */
-GL_A512_INLINE void a512_rows2(int type, const gl_mat *w, const float *x, int n, int ldx, float *y, int ldy, int r,
-                               int r1) {
+/* Rows [r, r1) one at a time for 1-2 tokens, as A512_ROW_RUNS sequential
+ * runs: row i of each quarter of the range side by side.  One row is one
+ * FMA chain (the lanes fix the order), 16 values every FMA latency, which
+ * from DRAM holds a thread under its share of the bandwidth; rows a row
+ * apart are streams that jump, which the prefetchers follow worse (see
+ * A512_ROWWISE_MIN_BYTES).  Four quarters are four chains on four runs the
+ * prefetchers follow, and enough misses in flight for a Zen 5 core (bf16
+ * 2048x2048 on 2 threads: 76-79% of the read limit with two runs, 88-89%
+ * with four).  Each row's sum is the one a row alone gets. */
+#define A512_ROW_RUNS 4
+GL_A512_INLINE void a512_row_runs(int type, const gl_mat *w, const float *x, int n, int ldx, float *y, int ldy, int r,
+                                  int r1) {
     const size_t row_bytes = (size_t)w->cols * gl_type_size(type);
-    const int half = (r1 - r) / 2;
+    const int part = (r1 - r) / A512_ROW_RUNS;
     const uint8_t *base = (const uint8_t *)w->data;
-    for (int i = 0; i < half; i++) {
-        const int ra = r + i, ahead = i + GL_PF_PANELS < half ? GL_PF_PANELS : 0;
+    for (int i = 0; i < part; i++) {
+        const int ra = r + i, ahead = i + GL_PF_PANELS < part ? GL_PF_PANELS : 0;
         const uint8_t *pf = base + (size_t)(ra + ahead) * row_bytes;
-        if (n == 1) a512_tile_rs(type, w, ra, 2, half, x, ldx, 1, y, ldy, pf);
-        else a512_tile_rs(type, w, ra, 2, half, x, ldx, 2, y, ldy, pf);
+        if (n == 1) a512_tile_rs(type, w, ra, A512_ROW_RUNS, part, x, ldx, 1, y, ldy, pf);
+        else a512_tile_rs(type, w, ra, A512_ROW_RUNS, part, x, ldx, 2, y, ldy, pf);
     }
-    a512_panels(type, w, 1, x, n, ldx, y, ldy, r + 2 * half, r1);
+    a512_panels(type, w, 1, x, n, ldx, y, ldy, r + A512_ROW_RUNS * part, r1);
 }
 
 /* A matrix small enough to stay in L1 (16 rows x 576 floats, say) goes the
@@ -316,7 +319,7 @@ GL_A512_INLINE void a512_matmul_typed(int type, int wide, const gl_mat *w, const
         const int ni = n - i0 < nb ? n - i0 : nb;
         if (wide) a512_panels(type, w, A512_NR_WIDE, x + (size_t)i0 * ldx, ni, ldx, y + (size_t)i0 * ldy, ldy, r0, r6);
         a512_panels(type, w, A512_NR, x + (size_t)i0 * ldx, ni, ldx, y + (size_t)i0 * ldy, ldy, r6, r4);
-        if (r == r0 && ni <= A512_ROWWISE_MAX_N) a512_rows2(type, w, x + (size_t)i0 * ldx, ni, ldx, y + (size_t)i0 * ldy, ldy, r4, r1);
+        if (r == r0 && ni <= A512_ROWWISE_MAX_N) a512_row_runs(type, w, x + (size_t)i0 * ldx, ni, ldx, y + (size_t)i0 * ldy, ldy, r4, r1);
         else a512_panels(type, w, 1, x + (size_t)i0 * ldx, ni, ldx, y + (size_t)i0 * ldy, ldy, r4, r1);
     }
 }
