@@ -616,17 +616,16 @@ GL_A512_INLINE void a512_dpbusd_b4(__m512i *acc, __m512i w, const int8_t *p) {
 #endif
 }
 
-/* 3 to A512_Q8_STREAM_NT tokens (a decode batch's few per expert), a panel
- * at a time: a panel is one sequential run of bytes,
- * which the prefetchers stream faster than four side by side, and each
- * 64-byte group feeds every token.  The tokens come interleaved,
- * xt[g * ntp + t] = token t's group g (zero-padded like the weights;
- * tokens nt .. ntp-1 are zeros), so one pointer reaches them all.  C sums a
- * token over alternate groups, so that about ten vpdpbusd are in flight
- * whatever nt is (their latency would otherwise bound a few tokens).  TMAX
- * and C are constants where it is called: the sums stay in registers, and
- * 3-16 tokens share three copies of the loop (ntp a multiple of 4 up to
- * TMAX: the padding's products are free while the weights stream in). */
+/* 3 to A512_Q8_STREAM_NT tokens (a decode batch's few per expert), R
+ * panels at a time as a512_q8_runs: R sequential runs of bytes side by
+ * side, and each 64-byte group feeds every token.  The tokens come
+ * interleaved, xt[g * ntp + t] = token t's group g (zero-padded like the
+ * weights; tokens nt .. ntp-1 are zeros), so one pointer reaches them all.
+ * R x TMAX sums: about ten vpdpbusd in flight whatever nt is (their latency
+ * would otherwise bound a few tokens).  TMAX and R are constants where it
+ * is called: the sums stay in registers, and 3-16 tokens share three copies
+ * of the loop (ntp a multiple of 4 up to TMAX: the padding's products are
+ * free while the weights stream in). */
 #define A512_Q8_STREAM_NT 16
 #define A512_Q8_STREAM_BYTES 32768   /* the interleaved tokens, on the stack */
 /* Small matrices stream too.  A head's absorbed product (64 KB) had gone
@@ -636,48 +635,51 @@ GL_A512_INLINE void a512_dpbusd_b4(__m512i *acc, __m512i w, const int8_t *p) {
  * GB/s against 24-27 streaming (512x128, 16 tokens, 2 threads).  bench-M
  * INT8 16 streams, TPOT medians of 6 alternating runs: 12.23 -> 11.78 ms;
  * the paper preset and the trained model's 16 streams no slower. */
-GL_A512_INLINE void a512_q8_stream(const gl_mat *w, const int C, const int TMAX, int ntp, int nt, const int8_t *xt,
-                                   const int32_t *xsum, const float *xs, int r0, int r1, float *y, int ldy) {
+GL_A512_INLINE void a512_q8_stream_runs(const gl_mat *w, const int R, const int TMAX, int ntp, int nt, int P,
+                                        int part, const int8_t *xt, const int32_t *xsum, const float *xs, int r0,
+                                        int r1, float *y, int ldy) {
     const __m512i flip = _mm512_set1_epi8((char)0x80);
     const size_t ps = gl_q8_panel_bytes(w->cols);
-    const int G = gl_q8_cols4(w->cols) / 4, GC = G - G % C;
-    for (int P = r0 / 16; 16 * P < r1; P++) {
-        const int8_t *wp = (const int8_t *)w->data + (size_t)P * ps;
-        __m512i a[A512_Q8_STREAM_NT];          /* token t's sum over chain j: a[j * TMAX + t] */
-#pragma GCC unroll 16
-        for (int i = 0; i < C * TMAX; i++) a[i] = _mm512_setzero_si512();
-        int g = 0;
-        for (; g < GC; g += C) {
+    const int G = gl_q8_cols4(w->cols) / 4;
+    for (int i = 0; i < part; i++) {
+        const int8_t *wp[4];
+        __m512i a[A512_Q8_STREAM_NT];          /* run s's sum for token t: a[s * TMAX + t] */
 #pragma GCC unroll 4
-            for (int j = 0; j < C; j++) {
-                _mm_prefetch((const char *)((uintptr_t)(wp + 64 * (size_t)(g + j)) + A512_Q8_PF), _MM_HINT_NTA);
-                const __m512i wv = _mm512_xor_si512(_mm512_loadu_si512(wp + 64 * (size_t)(g + j)), flip);
-                const int8_t *xg = xt + 4 * (size_t)(g + j) * ntp;
+        for (int s = 0; s < R; s++) wp[s] = (const int8_t *)w->data + (size_t)(P + s * part + i) * ps;
+#pragma GCC unroll 16
+        for (int k = 0; k < R * TMAX; k++) a[k] = _mm512_setzero_si512();
+        for (int g = 0; g < G; g++) {
+            const int8_t *xg = xt + 4 * (size_t)g * ntp;
+#pragma GCC unroll 4
+            for (int s = 0; s < R; s++) {
+                const int8_t *line = wp[s] + 64 * (size_t)g;
+                _mm_prefetch((const char *)((uintptr_t)line + A512_Q8_RUN_PF), _MM_HINT_NTA);
+                const __m512i wv = _mm512_xor_si512(_mm512_loadu_si512(line), flip);
 #pragma GCC unroll 16
                 for (int t = 0; t < TMAX; t++) {
                     if (TMAX > 4 && t % 4 == 0 && t >= ntp) break;   /* one test a chunk of 4 */
-                    a512_dpbusd_b4(&a[j * TMAX + t], wv, xg + 4 * t);
+                    a512_dpbusd_b4(&a[s * TMAX + t], wv, xg + 4 * t);
                 }
             }
         }
-        for (; g < G; g++) {
-            const __m512i wv = _mm512_xor_si512(_mm512_loadu_si512(wp + 64 * (size_t)g), flip);
-            const int8_t *xg = xt + 4 * (size_t)g * ntp;
-#pragma GCC unroll 16
-            for (int t = 0; t < TMAX; t++) {
-                if (TMAX > 4 && t % 4 == 0 && t >= ntp) break;
-                a512_dpbusd_b4(&a[t], wv, xg + 4 * t);
-            }
-        }
-        const __mmask16 m = a512_rows_mask(P, r0, r1);
-#pragma GCC unroll 16
-        for (int t = 0; t < TMAX && t < nt; t++) {
-            __m512i sum = a[t];
 #pragma GCC unroll 4
-            for (int j = 1; j < C; j++) sum = _mm512_add_epi32(sum, a[j * TMAX + t]);
-            a512_q8_store(sum, xsum[t], xs[t], w->scale + 16 * P, m, y + (size_t)t * ldy + 16 * P);
+        for (int s = 0; s < R; s++) {
+            const int Ps = P + s * part + i;
+            const __mmask16 m = a512_rows_mask(Ps, r0, r1);
+#pragma GCC unroll 16
+            for (int t = 0; t < TMAX && t < nt; t++)
+                a512_q8_store(a[s * TMAX + t], xsum[t], xs[t], w->scale + 16 * Ps, m, y + (size_t)t * ldy + 16 * Ps);
         }
     }
+}
+
+/* Rows [r0, r1): the panels R runs at a time, the last few one at a time. */
+GL_A512_INLINE void a512_q8_stream(const gl_mat *w, const int R, const int TMAX, int ntp, int nt, const int8_t *xt,
+                                   const int32_t *xsum, const float *xs, int r0, int r1, float *y, int ldy) {
+    const int P0 = r0 / 16, np = (r1 + 15) / 16 - P0, part = np / R;
+    a512_q8_stream_runs(w, R, TMAX, ntp, nt, P0, part, xt, xsum, xs, r0, r1, y, ldy);
+    for (int P = P0 + R * part; P < P0 + np; P++)
+        a512_q8_stream_runs(w, 1, TMAX, ntp, nt, P, 1, xt, xsum, xs, r0, r1, y, ldy);
 }
 
 /* xt[g * ntp + t] = token t's bytes 4g..4g+3 (zero past cols, and for the
