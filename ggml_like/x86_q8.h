@@ -34,6 +34,14 @@
 #define X86_Q8_XSUM_MAX 1024   /* tokens per block in the offset copies (their sums live on the stack) */
 #endif
 
+/* One token reads the panels in X86_Q8_RUNS runs side by side, two tokens
+ * in half as many (their sums fill the 16 ymm registers): Zen 5, 2
+ * threads, INT8 2048x2048 from DRAM, avx2 set: 62-72% of the read limit
+ * with one run, 78-83% with two, 88-95% with four (bench_kernels). */
+#ifndef X86_Q8_RUNS
+#define X86_Q8_RUNS 4
+#endif
+
 #ifndef GL_Q8_PF_ROWS
 #define GL_Q8_PF_ROWS 4   /* prefetch distance: this many rows' bytes */
 #endif
@@ -63,43 +71,60 @@ X86_Q8_INLINE void X86_Q8(xsums)(const int8_t *xq, int n, int ldx, int cols, int
 }
 
 /* Panel p (rows 16p..16p+15) times nt tokens; y rows in [r0, r1) only
- * (xsum: the tokens' sums, read by the offset copies alone). */
-X86_Q8_INLINE void X86_Q8(tile_q8)(const gl_mat *w, int p, const int8_t *xq, const float *xs, const int32_t *xsum,
-                                 int ldx, int nt, float *y, int ldy, int r0, int r1, const int8_t *pf) {
-    const int8_t *panel = (const int8_t *)w->data + (size_t)p * gl_q8_panel_bytes(w->cols);
+ * (xsum: the tokens' sums, read by the offset copies alone).  With R > 1
+ * (one or two tokens: decode), R panels at once, p + s*part for s < R: R
+ * sequential runs of bytes side by side, which keep more misses in flight
+ * than one (see X86_Q8_RUNS), each
+ * prefetching its own run X86_Q8_RUN_PF bytes ahead instead of pf.  R is a
+ * constant where it is called. */
+#ifndef X86_Q8_RUN_PF
+#define X86_Q8_RUN_PF 2048
+#endif
+X86_Q8_INLINE void X86_Q8(tile_q8)(const gl_mat *w, const int R, int part, int p, const int8_t *xq, const float *xs,
+                                 const int32_t *xsum, int ldx, int nt, float *y, int ldy, int r0, int r1,
+                                 const int8_t *pf) {
+    const int8_t *panel[4];
+#pragma GCC unroll 4
+    for (int s = 0; s < R; s++) panel[s] = (const int8_t *)w->data + (size_t)(p + s * part) * gl_q8_panel_bytes(w->cols);
     const int full = w->cols >> 2, rem = w->cols & 3;
-    __m256i acc[X86_Q8_NT][2];
+    __m256i acc[4][X86_Q8_NT][2];
+#pragma GCC unroll 4
+    for (int s = 0; s < R; s++)
 #pragma GCC unroll 8
-    for (int t = 0; t < nt; t++) acc[t][0] = acc[t][1] = _mm256_setzero_si256();
+        for (int t = 0; t < nt; t++) acc[s][t][0] = acc[s][t][1] = _mm256_setzero_si256();
     const __m256i ones = _mm256_set1_epi16(1), flip = _mm256_set1_epi8((char)0x80);
     (void)flip; (void)xsum;
     for (int g = 0; g < full; g++) {
-        const int8_t *wg = panel + (size_t)g * 64;
-        _mm_prefetch((const char *)(pf + (size_t)g * 64), _MM_HINT_NTA);
-        const __m256i w0 = _mm256_loadu_si256((const __m256i *)wg), w1 = _mm256_loadu_si256((const __m256i *)(wg + 32));
-        const __m256i a0 = X86_Q8_OFFSET ? _mm256_xor_si256(w0, flip) : _mm256_abs_epi8(w0);
-        const __m256i a1 = X86_Q8_OFFSET ? _mm256_xor_si256(w1, flip) : _mm256_abs_epi8(w1);
+#pragma GCC unroll 4
+        for (int s = 0; s < R; s++) {
+            const int8_t *wg = panel[s] + (size_t)g * 64;
+            _mm_prefetch(R > 1 ? (const char *)((uintptr_t)wg + X86_Q8_RUN_PF) : (const char *)(pf + (size_t)g * 64), _MM_HINT_NTA);
+            const __m256i w0 = _mm256_loadu_si256((const __m256i *)wg), w1 = _mm256_loadu_si256((const __m256i *)(wg + 32));
+            const __m256i a0 = X86_Q8_OFFSET ? _mm256_xor_si256(w0, flip) : _mm256_abs_epi8(w0);
+            const __m256i a1 = X86_Q8_OFFSET ? _mm256_xor_si256(w1, flip) : _mm256_abs_epi8(w1);
 #pragma GCC unroll 8
-        for (int t = 0; t < nt; t++) {
-            const __m256i xv = X86_Q8(x4)(xq + (size_t)t * ldx + 4 * g, 4);
-            acc[t][0] = X86_Q8_MAC(acc[t][0], a0, w0, xv, ones);
-            acc[t][1] = X86_Q8_MAC(acc[t][1], a1, w1, xv, ones);
+            for (int t = 0; t < nt; t++) {
+                const __m256i xv = X86_Q8(x4)(xq + (size_t)t * ldx + 4 * g, 4);
+                acc[s][t][0] = X86_Q8_MAC(acc[s][t][0], a0, w0, xv, ones);
+                acc[s][t][1] = X86_Q8_MAC(acc[s][t][1], a1, w1, xv, ones);
+            }
         }
     }
     /* y = (float)sum * wscale * xscale, in the scalar set's order.  The
        zero-padded last group (cols % 4 != 0) joins here, from the tokens'
        remaining bytes only: after the loop, or before it, it made gcc copy
        and spill the accumulators inside the loop. */
-#pragma GCC unroll 2
-    for (int h = 0; h < 2; h++) {
-        const int rb = 16 * p + 8 * h;
-        const __m256i wl = rem ? _mm256_loadu_si256((const __m256i *)(panel + (size_t)full * 64 + 32 * h))
+#pragma GCC unroll 8
+    for (int sh = 0; sh < 2 * R; sh++) {
+        const int s = sh / 2, h = sh % 2;
+        const int rb = 16 * (p + s * part) + 8 * h;
+        const __m256i wl = rem ? _mm256_loadu_si256((const __m256i *)(panel[s] + (size_t)full * 64 + 32 * h))
                                : _mm256_setzero_si256();
         const __m256i al = X86_Q8_OFFSET ? _mm256_xor_si256(wl, flip) : _mm256_abs_epi8(wl);
         const int whole = rb >= r0 && rb + 8 <= r1, lo = r0 > rb ? r0 : rb, hi = r1 < rb + 8 ? r1 : rb + 8;
 #pragma GCC unroll 8
         for (int t = 0; t < nt; t++) {
-            __m256i sum = acc[t][h];
+            __m256i sum = acc[s][t][h];
             if (rem) sum = X86_Q8_MAC(sum, al, wl, X86_Q8(x4)(xq + (size_t)t * ldx + 4 * full, rem), ones);
             if (X86_Q8_OFFSET) sum = _mm256_sub_epi32(sum, _mm256_set1_epi32((int32_t)((uint32_t)xsum[t] << 7)));
             if (whole) {
@@ -118,15 +143,15 @@ X86_Q8_INLINE void X86_Q8(tile_q8_nt)(const gl_mat *w, int p, const int8_t *xq, 
                                     int ldx, int nt, float *y, int ldy, int r0, int r1, const int8_t *pf) {
     switch (nt) {
 #if X86_Q8_NT > 4
-    case 8: X86_Q8(tile_q8)(w, p, xq, xs, xsum, ldx, 8, y, ldy, r0, r1, pf); break;
-    case 7: X86_Q8(tile_q8)(w, p, xq, xs, xsum, ldx, 7, y, ldy, r0, r1, pf); break;
-    case 6: X86_Q8(tile_q8)(w, p, xq, xs, xsum, ldx, 6, y, ldy, r0, r1, pf); break;
-    case 5: X86_Q8(tile_q8)(w, p, xq, xs, xsum, ldx, 5, y, ldy, r0, r1, pf); break;
+    case 8: X86_Q8(tile_q8)(w, 1, 1, p, xq, xs, xsum, ldx, 8, y, ldy, r0, r1, pf); break;
+    case 7: X86_Q8(tile_q8)(w, 1, 1, p, xq, xs, xsum, ldx, 7, y, ldy, r0, r1, pf); break;
+    case 6: X86_Q8(tile_q8)(w, 1, 1, p, xq, xs, xsum, ldx, 6, y, ldy, r0, r1, pf); break;
+    case 5: X86_Q8(tile_q8)(w, 1, 1, p, xq, xs, xsum, ldx, 5, y, ldy, r0, r1, pf); break;
 #endif
-    case 4: X86_Q8(tile_q8)(w, p, xq, xs, xsum, ldx, 4, y, ldy, r0, r1, pf); break;
-    case 3: X86_Q8(tile_q8)(w, p, xq, xs, xsum, ldx, 3, y, ldy, r0, r1, pf); break;
-    case 2: X86_Q8(tile_q8)(w, p, xq, xs, xsum, ldx, 2, y, ldy, r0, r1, pf); break;
-    case 1: X86_Q8(tile_q8)(w, p, xq, xs, xsum, ldx, 1, y, ldy, r0, r1, pf); break;
+    case 4: X86_Q8(tile_q8)(w, 1, 1, p, xq, xs, xsum, ldx, 4, y, ldy, r0, r1, pf); break;
+    case 3: X86_Q8(tile_q8)(w, 1, 1, p, xq, xs, xsum, ldx, 3, y, ldy, r0, r1, pf); break;
+    case 2: X86_Q8(tile_q8)(w, 1, 1, p, xq, xs, xsum, ldx, 2, y, ldy, r0, r1, pf); break;
+    case 1: X86_Q8(tile_q8)(w, 1, 1, p, xq, xs, xsum, ldx, 1, y, ldy, r0, r1, pf); break;
     }
 }
 
@@ -138,6 +163,19 @@ static X86_Q8_FN void X86_Q8(matmul_q8)(const gl_mat *w, const int8_t *xq, const
     int nb = gl_token_block(w->cols, 1);
     int32_t xsum[X86_Q8_OFFSET ? X86_Q8_XSUM_MAX : 1];
     if (X86_Q8_OFFSET && nb > X86_Q8_XSUM_MAX) nb = X86_Q8_XSUM_MAX;
+    if (n <= 2) {           /* decode: the panels in runs, the last few one at a time */
+        if (X86_Q8_OFFSET) X86_Q8(xsums)(xq, n, ldx, w->cols, xsum);
+        const int runs = n == 1 ? X86_Q8_RUNS : X86_Q8_RUNS / 2, part = (p1 - p0) / runs;
+        for (int i = 0; i < part; i++)
+            if (n == 1) X86_Q8(tile_q8)(w, X86_Q8_RUNS, part, p0 + i, xq, xscale, xsum, ldx, 1, y, ldy, r0, r1, NULL);
+            else X86_Q8(tile_q8)(w, X86_Q8_RUNS / 2, part, p0 + i, xq, xscale, xsum, ldx, 2, y, ldy, r0, r1, NULL);
+        for (int p = p0 + runs * part; p < p1; p++) {
+            const int8_t *panel = (const int8_t *)w->data + (size_t)p * pb;
+            const int8_t *pf = (size_t)(p1 - p) * pb >= dist + pb ? panel + dist : panel;
+            X86_Q8(tile_q8_nt)(w, p, xq, xscale, xsum, ldx, n, y, ldy, r0, r1, pf);
+        }
+        return;
+    }
     for (int i0 = 0; i0 < n; i0 += nb) {
         const int ni = n - i0 < nb ? n - i0 : nb;
         if (X86_Q8_OFFSET) X86_Q8(xsums)(xq + (size_t)i0 * ldx, ni, ldx, w->cols, xsum);
