@@ -601,7 +601,8 @@ GL_A512_INLINE void a512_q8_runs(const gl_mat *w, const int ns, int nt, int P, i
 GL_A512_INLINE void a512_q8_decode(const gl_mat *w, int nt, const int8_t *xq, int ldx, const int32_t *xsum,
                                    const float *xs, int r0, int r1, float *y, int ldy) {
     const int P0 = r0 / 16, np = (r1 + 15) / 16 - P0, part = np / 4;
-    a512_q8_runs(w, 4, nt, P0, part, xq, ldx, xsum, xs, r0, r1, y, ldy);
+    if (nt == 1) a512_q8_runs(w, 4, 1, P0, part, xq, ldx, xsum, xs, r0, r1, y, ldy);   /* nt a constant */
+    else a512_q8_runs(w, 4, 2, P0, part, xq, ldx, xsum, xs, r0, r1, y, ldy);
     for (int P = P0 + 4 * part; P < P0 + np; P++) a512_q8_runs(w, 1, nt, P, 1, xq, ldx, xsum, xs, r0, r1, y, ldy);
 }
 
