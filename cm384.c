@@ -5898,6 +5898,9 @@ static void region_add_mm(region *rg, int n_workers, mm_job *jb, int device) {
     if (rg->many_products && streams) spread = 1;
     if (bytes * (size_t)jb->n < SMALL_WORK_BYTES) spread = 1;   /* less work than handing it over */
     if (nc < spread) nc = spread;
+    /* a product its region's workers share: as many tasks each (2.8 MB in
+       three 1 MB tasks kept one worker of two idle a third of the time) */
+    if (spread > 1 && nc % n_workers) nc += n_workers - nc % n_workers;
     if (nc > by_rows) nc = by_rows;
     if (nc < 1) nc = 1;
     int chunk = (jb->w->rows + nc - 1) / nc;

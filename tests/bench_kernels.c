@@ -417,9 +417,10 @@ static void mm_bench_task(void *ctx, int task, int worker) {
 
 /* The rows of a task as cm384's region_add_mm cuts a product: ~256 KB of
  * weights a task and at least two tasks a worker, but up to 16 tokens
- * (decode) stream 1 MB a task, one task a worker at least -- and in a
- * region of many products (a MoE layer's experts) the products balance the
- * workers, so each is cut by its bytes alone.  Multiples of 16 rows. */
+ * (decode) stream 1 MB a task, one task a worker at least, as many tasks
+ * each -- and in a region of many products (a MoE layer's experts) the
+ * products balance the workers, so each is cut by its bytes alone.
+ * Multiples of 16 rows. */
 static int chunk_rows(const gl_mat *w, int n, int workers, int many_products) {
     size_t bytes = (size_t)w->rows * gl_row_bytes(w->type, w->cols);
     int streams = n <= 16;
@@ -428,6 +429,7 @@ static int chunk_rows(const gl_mat *w, int n, int workers, int many_products) {
     int spread = workers > 1 ? (streams ? 1 : 2) * workers : 1;
     if (many_products && streams) spread = 1;
     if (nc < spread) nc = spread;
+    if (spread > 1 && nc % workers) nc += workers - nc % workers;   /* as many tasks each */
     if (nc > (w->rows + 15) / 16) nc = (w->rows + 15) / 16;
     int chunk = (w->rows + nc - 1) / nc;
     return (chunk + 15) & ~15;
