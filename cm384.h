@@ -502,7 +502,8 @@ typedef struct cm384_config {
                                       busy decode.  Scheduling only: never changes
                                       a request's tokens                           */
     int          prefault;         /* 1: the engine touches every page of its pool
-                                      (KV blocks, scratch) at creation, so no step
+                                      (KV blocks, scratch) and maps the model's
+                                      token embedding at creation, so no step
                                       pays a first-touch page fault: the first
                                       prompts of a fresh engine run at the speed
                                       of later ones (measured: make bench, section
