@@ -1297,23 +1297,31 @@ GL_A512BF_INLINE void a512bf_round_rows(const float *x, int n, int ldx, int cols
     }
 }
 
-GL_A512BF_INLINE void a512bf_tile(const gl_mat *w, int r, int nr, const uint16_t *xb, int ldb, int nt,
-                                  float *y, int ldy, const uint8_t *pf) {
+/* Rows r + k*rs, k < nr (rs: 1, but in a512bf_row_runs), times nt tokens;
+ * pf: where to prefetch from, at the pace the tile reads (rs > 1: row k's
+ * at pf + k*rs rows). */
+GL_A512BF_INLINE void a512bf_tile_rs(const gl_mat *w, int r, int nr, int rs, const uint16_t *xb, int ldb, int nt,
+                                     float *y, int ldy, const uint8_t *pf) {
     const int cols = w->cols, full = cols & ~31;
     const uint16_t *wr[A512_NR];
     __m512 acc[A512_NR][A512BF_NT];
     __m512bh wv[A512_NR];
 #pragma GCC unroll 4
     for (int k = 0; k < nr; k++) {
-        wr[k] = (const uint16_t *)w->data + (size_t)(r + k) * (size_t)cols;
+        wr[k] = (const uint16_t *)w->data + (size_t)(r + k * rs) * (size_t)cols;
 #pragma GCC unroll 6
         for (int t = 0; t < nt; t++) acc[k][t] = _mm512_setzero_ps();
     }
     for (int c = 0; c < full; c += 32) {
-        const uint8_t *pc = pf + (size_t)c * (size_t)nr * 2;
-        _mm_prefetch((const char *)pc, _MM_HINT_NTA);
-        if (nr > 1) _mm_prefetch((const char *)pc + 64, _MM_HINT_NTA);
-        if (nr > 2) { _mm_prefetch((const char *)pc + 128, _MM_HINT_NTA); _mm_prefetch((const char *)pc + 192, _MM_HINT_NTA); }
+        if (rs > 1) {
+#pragma GCC unroll 4
+            for (int k = 0; k < nr; k++) _mm_prefetch((const char *)pf + ((size_t)k * rs * cols + c) * 2, _MM_HINT_NTA);
+        } else {
+            const uint8_t *pc = pf + (size_t)c * (size_t)nr * 2;
+            _mm_prefetch((const char *)pc, _MM_HINT_NTA);
+            if (nr > 1) _mm_prefetch((const char *)pc + 64, _MM_HINT_NTA);
+            if (nr > 2) { _mm_prefetch((const char *)pc + 128, _MM_HINT_NTA); _mm_prefetch((const char *)pc + 192, _MM_HINT_NTA); }
+        }
 #pragma GCC unroll 4
         for (int k = 0; k < nr; k++) wv[k] = (__m512bh)_mm512_loadu_si512(wr[k] + c);
 #pragma GCC unroll 6
@@ -1334,7 +1342,7 @@ GL_A512BF_INLINE void a512bf_tile(const gl_mat *w, int r, int nr, const uint16_t
             for (int k = 0; k < nr; k++) acc[k][t] = _mm512_dpbf16_ps(acc[k][t], wv[k], xv);
         }
     }
-    if (nr == 4 && nt == 4) {
+    if (nr == 4 && nt == 4 && rs == 1) {
         __m512 a[16];
         for (int k = 0; k < 4; k++)
             for (int t = 0; t < 4; t++) a[4 * k + t] = acc[k][t];
@@ -1344,7 +1352,7 @@ GL_A512BF_INLINE void a512bf_tile(const gl_mat *w, int r, int nr, const uint16_t
 #pragma GCC unroll 6
     for (int t = 0; t < nt; t++)
 #pragma GCC unroll 4
-        for (int k = 0; k < nr; k++) y[(size_t)t * ldy + r + k] = a512_hsum(acc[k][t]);
+        for (int k = 0; k < nr; k++) y[(size_t)t * ldy + r + k * rs] = a512_hsum(acc[k][t]);
 }
 
 GL_A512BF_INLINE void a512bf_panels(const gl_mat *w, int nr, const uint16_t *xb, int n, int ldb, float *y, int ldy,
@@ -1358,15 +1366,30 @@ GL_A512BF_INLINE void a512bf_panels(const gl_mat *w, int nr, const uint16_t *xb,
             const uint16_t *xi = xb + (size_t)i * ldb;
             float *yi = y + (size_t)i * ldy;
             switch (nt) {
-            case 6: a512bf_tile(w, r, nr, xi, ldb, 6, yi, ldy, pf); break;
-            case 5: a512bf_tile(w, r, nr, xi, ldb, 5, yi, ldy, pf); break;
-            case 4: a512bf_tile(w, r, nr, xi, ldb, 4, yi, ldy, pf); break;
-            case 3: a512bf_tile(w, r, nr, xi, ldb, 3, yi, ldy, pf); break;
-            case 2: a512bf_tile(w, r, nr, xi, ldb, 2, yi, ldy, pf); break;
-            case 1: a512bf_tile(w, r, nr, xi, ldb, 1, yi, ldy, pf); break;
+            case 6: a512bf_tile_rs(w, r, nr, 1, xi, ldb, 6, yi, ldy, pf); break;
+            case 5: a512bf_tile_rs(w, r, nr, 1, xi, ldb, 5, yi, ldy, pf); break;
+            case 4: a512bf_tile_rs(w, r, nr, 1, xi, ldb, 4, yi, ldy, pf); break;
+            case 3: a512bf_tile_rs(w, r, nr, 1, xi, ldb, 3, yi, ldy, pf); break;
+            case 2: a512bf_tile_rs(w, r, nr, 1, xi, ldb, 2, yi, ldy, pf); break;
+            case 1: a512bf_tile_rs(w, r, nr, 1, xi, ldb, 1, yi, ldy, pf); break;
             }
         }
     }
+}
+
+/* Rows [r, r1) one at a time for 1-2 tokens, four at once from the
+ * quarters of the range, as a512_row_runs: four sequential runs. */
+GL_A512BF_INLINE void a512bf_row_runs(const gl_mat *w, const uint16_t *xb, int n, int ldb, float *y, int ldy, int r,
+                                      int r1) {
+    const size_t row_bytes = (size_t)w->cols * 2;
+    const int part = (r1 - r) / A512_ROW_RUNS;
+    for (int i = 0; i < part; i++) {
+        const int ra = r + i, ahead = i + GL_PF_PANELS < part ? GL_PF_PANELS : 0;
+        const uint8_t *pf = (const uint8_t *)w->data + (size_t)(ra + ahead) * row_bytes;
+        if (n == 1) a512bf_tile_rs(w, ra, A512_ROW_RUNS, part, xb, ldb, 1, y, ldy, pf);
+        else a512bf_tile_rs(w, ra, A512_ROW_RUNS, part, xb, ldb, 2, y, ldy, pf);
+    }
+    a512bf_panels(w, 1, xb, n, ldb, y, ldy, r + A512_ROW_RUNS * part, r1);
 }
 
 static GL_A512BF void a512bf_matmul_bf16(const gl_mat *w, const float *x, int n, int ldx, float *y, int ldy, int r0, int r1) {
@@ -1396,7 +1419,8 @@ static GL_A512BF void a512bf_matmul_bf16(const gl_mat *w, const float *x, int n,
         const int ni = n - i0 < nb ? n - i0 : nb;
         a512bf_round_rows(x + (size_t)i0 * ldx, ni, ldx, w->cols, xb, ldb);
         a512bf_panels(w, A512_NR, xb, ni, ldb, y + (size_t)i0 * ldy, ldy, r0, r);
-        a512bf_panels(w, 1, xb, ni, ldb, y + (size_t)i0 * ldy, ldy, r, r1);
+        if (r == r0 && ni <= A512_ROWWISE_MAX_N) a512bf_row_runs(w, xb, ni, ldb, y + (size_t)i0 * ldy, ldy, r, r1);
+        else a512bf_panels(w, 1, xb, ni, ldb, y + (size_t)i0 * ldy, ldy, r, r1);
     }
 }
 
