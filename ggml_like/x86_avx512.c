@@ -397,7 +397,7 @@ GL_A512_INLINE void a512_dpbusd(__m512i *acc, __m512i w, __m512i x) {
 #define A512_Q8_KC 512     /* columns per slice, many tokens         */
 #define A512_Q8_KNT 96     /* tokens whose sums wait on the stack    */
 #define A512_Q8_PF 4096    /* prefetch distance streaming from DRAM, bytes */
-#define A512_Q8_RUN_PF 2048 /* ... for each of a512_q8_runs' runs      */
+#define A512_Q8_RUN_PF 2048 /* ... for each of several runs side by side (one run: A512_Q8_PF) */
 
 static inline int32_t a512_load_i32(const int8_t *p) { int32_t v; memcpy(&v, p, 4); return v; }
 /* The first nb (< 4) bytes at p, zero-padded: a token's last, partial group
@@ -654,7 +654,7 @@ GL_A512_INLINE void a512_q8_stream_runs(const gl_mat *w, const int R, const int 
 #pragma GCC unroll 4
             for (int s = 0; s < R; s++) {
                 const int8_t *line = wp[s] + 64 * (size_t)g;
-                _mm_prefetch((const char *)((uintptr_t)line + A512_Q8_RUN_PF), _MM_HINT_NTA);
+                _mm_prefetch((const char *)((uintptr_t)line + (R > 1 ? A512_Q8_RUN_PF : A512_Q8_PF)), _MM_HINT_NTA);
                 const __m512i wv = _mm512_xor_si512(_mm512_loadu_si512(line), flip);
 #pragma GCC unroll 16
                 for (int t = 0; t < TMAX; t++) {
