@@ -390,9 +390,10 @@ GL_A512_INLINE void a512_dpbusd(__m512i *acc, __m512i w, __m512i x) {
  * more tokens take the columns a slice of A512_Q8_KC at a time (the 4
  * panels' slice, 32 KB, stays in L1 while every 6 tokens of a block pass
  * over it) and keep the block's sums on the stack between slices.  One or
- * two tokens (decode) go a panel at a time, and so do 3-16 on a matrix that
- * comes from memory (a512_q8_stream): a panel is one sequential run of
- * bytes, which the prefetchers stream faster than four side by side. */
+ * two tokens (decode) go panel by panel, and so do 3-16 on a matrix that
+ * comes from memory (a512_q8_runs, a512_q8_stream): a panel is one
+ * sequential run of bytes, and a thread reads a few runs side by side,
+ * one panel from each, where a tile's four panels interleave line by line. */
 #define A512_Q8_NT 6       /* tokens per tile                        */
 #define A512_Q8_KC 512     /* columns per slice, many tokens         */
 #define A512_Q8_KNT 96     /* tokens whose sums wait on the stack    */
