@@ -41,6 +41,7 @@
 #ifndef X86_Q8_RUNS
 #define X86_Q8_RUNS 4
 #endif
+#define X86_Q8_RUNS2 (X86_Q8_RUNS > 1 ? X86_Q8_RUNS / 2 : 1)   /* two tokens' runs */
 
 #ifndef GL_Q8_PF_ROWS
 #define GL_Q8_PF_ROWS 4   /* prefetch distance: this many rows' bytes */
@@ -74,9 +75,8 @@ X86_Q8_INLINE void X86_Q8(xsums)(const int8_t *xq, int n, int ldx, int cols, int
  * (xsum: the tokens' sums, read by the offset copies alone).  With R > 1
  * (one or two tokens: decode), R panels at once, p + s*part for s < R: R
  * sequential runs of bytes side by side, which keep more misses in flight
- * than one (see X86_Q8_RUNS), each
- * prefetching its own run X86_Q8_RUN_PF bytes ahead instead of pf.  R is a
- * constant where it is called. */
+ * than one (see X86_Q8_RUNS), each prefetching its own run X86_Q8_RUN_PF
+ * bytes ahead instead of pf.  R is a constant where it is called. */
 #ifndef X86_Q8_RUN_PF
 #define X86_Q8_RUN_PF 2048
 #endif
@@ -165,10 +165,12 @@ static X86_Q8_FN void X86_Q8(matmul_q8)(const gl_mat *w, const int8_t *xq, const
     if (X86_Q8_OFFSET && nb > X86_Q8_XSUM_MAX) nb = X86_Q8_XSUM_MAX;
     if (n <= 2) {           /* decode: the panels in runs, the last few one at a time */
         if (X86_Q8_OFFSET) X86_Q8(xsums)(xq, n, ldx, w->cols, xsum);
-        const int runs = n == 1 ? X86_Q8_RUNS : X86_Q8_RUNS / 2, part = (p1 - p0) / runs;
-        for (int i = 0; i < part; i++)
-            if (n == 1) X86_Q8(tile_q8)(w, X86_Q8_RUNS, part, p0 + i, xq, xscale, xsum, ldx, 1, y, ldy, r0, r1, NULL);
-            else X86_Q8(tile_q8)(w, X86_Q8_RUNS / 2, part, p0 + i, xq, xscale, xsum, ldx, 2, y, ldy, r0, r1, NULL);
+        const int runs = n == 1 ? X86_Q8_RUNS : X86_Q8_RUNS2, part = (p1 - p0) / runs;
+        for (int i = 0; i < part; i++) {
+            const int8_t *self = (const int8_t *)w->data + (size_t)(p0 + i) * pb;   /* pf, were the runs one */
+            if (n == 1) X86_Q8(tile_q8)(w, X86_Q8_RUNS, part, p0 + i, xq, xscale, xsum, ldx, 1, y, ldy, r0, r1, self);
+            else X86_Q8(tile_q8)(w, X86_Q8_RUNS2, part, p0 + i, xq, xscale, xsum, ldx, 2, y, ldy, r0, r1, self);
+        }
         for (int p = p0 + runs * part; p < p1; p++) {
             const int8_t *panel = (const int8_t *)w->data + (size_t)p * pb;
             const int8_t *pf = (size_t)(p1 - p) * pb >= dist + pb ? panel + dist : panel;
