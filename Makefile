@@ -44,15 +44,19 @@ $(B)/ggml_like.o: $(wildcard ggml_like/*.c ggml_like/*.h) | $(B)
 $(B)/libcm384.a: $(B)/cm384.o $(B)/ggml_like.o
 	ar rcs $@ $^
 
-$(B)/cm384: examples/cm384.c examples/cm384_project.c cm384.h $(B)/libcm384.a
-	$(CC) $(CFLAGS) examples/cm384.c examples/cm384_project.c $(B)/libcm384.a -o $@ $(LDLIBS)
+# the programs' objects need only cm384.h: they compile while the kernels do
+$(B)/ex_%.o: examples/%.c cm384.h | $(B)
+	$(CC) $(CFLAGS) -c $< -o $@
 
-$(B)/embed: examples/embed.c cm384.h $(B)/libcm384.a
-	$(CC) $(CFLAGS) examples/embed.c $(B)/libcm384.a -o $@ $(LDLIBS)
+$(B)/cm384: $(B)/ex_cm384.o $(B)/ex_cm384_project.o $(B)/libcm384.a
+	$(CC) $(CFLAGS) $^ -o $@ $(LDLIBS)
+
+$(B)/embed: $(B)/ex_embed.o $(B)/libcm384.a
+	$(CC) $(CFLAGS) $^ -o $@ $(LDLIBS)
 
 # the OpenAI-compatible server (examples/server.c): libc, pthreads, sockets
-$(B)/cm384-server: examples/server.c cm384.h $(B)/libcm384.a
-	$(CC) $(CFLAGS) examples/server.c $(B)/libcm384.a -o $@ $(LDLIBS)
+$(B)/cm384-server: $(B)/ex_server.o $(B)/libcm384.a
+	$(CC) $(CFLAGS) $^ -o $@ $(LDLIBS)
 
 # the amalgamation: one cm384.c with the ggml_like kernels inlined, and
 # cm384.h -- two files to embed (generated into dist/, not committed)

@@ -77,6 +77,18 @@ X86_Q8_INLINE void X86_Q8(xsums)(const int8_t *xq, int n, int ldx, int cols, int
  * sequential runs of bytes side by side, which keep more misses in flight
  * than one (see X86_Q8_RUNS), each prefetching its own run X86_Q8_RUN_PF
  * bytes ahead instead of pf.  R is a constant where it is called. */
+/* y[r] for r in [lo, hi) from a cut panel's eight sums s (rows rb..rb+7):
+ * out of line, since the tiles' every (half, token) would otherwise carry
+ * its own vectorized copy of this rare loop (the avx512_vnni copy's tiles
+ * were 96 KB, half of ggml_like.c's build time). */
+#ifndef X86_Q8_STORE_ROWS
+#define X86_Q8_STORE_ROWS
+static __attribute__((noinline)) void x86_q8_store_rows(const int32_t *s, int rb, int lo, int hi, const float *scale,
+                                                        float xs, float *y) {
+    for (int r = lo; r < hi; r++) y[r] = (float)s[r - rb] * scale[r] * xs;
+}
+#endif
+
 #ifndef X86_Q8_RUN_PF
 #define X86_Q8_RUN_PF 2048
 #endif
@@ -133,13 +145,13 @@ X86_Q8_INLINE void X86_Q8(tile_q8)(const gl_mat *w, const int R, int part, int p
             } else {   /* a panel cut by r0 or r1, or the padding rows */
                 int32_t s[8];
                 _mm256_storeu_si256((__m256i *)s, sum);
-                for (int r = lo; r < hi; r++) y[(size_t)t * ldy + r] = (float)s[r - rb] * w->scale[r] * xs[t];
+                x86_q8_store_rows(s, rb, lo, hi, w->scale, xs[t], y + (size_t)t * ldy);
             }
         }
     }
 }
 
-X86_Q8_INLINE void X86_Q8(tile_q8_nt)(const gl_mat *w, int p, const int8_t *xq, const float *xs, const int32_t *xsum,
+static X86_Q8_FN __attribute__((noinline)) void X86_Q8(tile_q8_nt)(const gl_mat *w, int p, const int8_t *xq, const float *xs, const int32_t *xsum,
                                     int ldx, int nt, float *y, int ldy, int r0, int r1, const int8_t *pf) {
     switch (nt) {
 #if X86_Q8_NT > 4
