@@ -16,8 +16,11 @@
  * block, weight rows in panels of 3 that stay in L1 while every token tile
  * of 4 passes over them; one tile keeps 3x4 accumulators in registers, so
  * each weight vector loaded serves 4 tokens and each activation vector 3
- * rows.  With n = 1 the same tile streams 3 weight rows at once (the
- * matrix-vector path, bound by memory bandwidth), prefetching ahead.  W8A8
+ * rows.  With n = 1 or 2 (the matrix-vector path, bound by memory
+ * bandwidth) rows of 1 KB or more go four at once, one from each quarter
+ * of the range (avx2_row_runs): four sequential runs in flight (Zen 3, 2
+ * threads, bf16 2048x2048 from DRAM: 73-76% of the read limit with 3-row
+ * panels, 88-94% with four runs; bench_kernels, alternating runs).  W8A8
  * (x86_q8.h) reads GL_Q8's 16-row panels, one panel times 4 tokens a tile
  * (8 in the EVEX copy, which has 32 registers).
  * A column-blocked GEMM (weights in L2, activations in L1, accumulators
@@ -30,6 +33,14 @@
 
 #define AVX2_NR 3      /* weight rows per fp tile          */
 #define AVX2_NT 4      /* tokens per tile                  */
+/* 1-2 tokens (decode) on rows of 1 KB or more: four rows at once, one from
+ * each quarter of the range (avx2_row_runs), so that a thread reads four
+ * sequential runs of bytes side by side instead of one panel's rows a row
+ * apart. */
+#define AVX2_ROW_RUNS 4
+#define AVX2_ROWWISE_MAX_N 2
+#define AVX2_ROWWISE_MIN_BYTES 1024
+#define AVX2_TILE_ROWS 4   /* the most rows a tile holds: max(AVX2_NR, AVX2_ROW_RUNS) */
 #ifndef GL_TOKEN_BLOCK_BYTES
 #define GL_TOKEN_BLOCK_BYTES 262144 /* activations per token block */
 #endif
@@ -75,21 +86,23 @@ GL_AVX2_INLINE __m256 avx2_load_w(int type, const uint8_t *p, __m256 scale) {
     }
 }
 
-/* One register tile: y[t*ldy + r+k] = W[r+k] . x[t*ldx] for k < nr, t < nt
- * (constants after inlining, so acc[][] lives in registers).  pf: an
- * address to prefetch from, at the pace this tile reads its rows. */
-GL_AVX2_INLINE void avx2_tile(int type, const gl_mat *w, int r, int nr, const float *x, int ldx, int nt,
-                              float *y, int ldy, const uint8_t *pf) {
+/* One register tile: y[t*ldy + r+k*rs] = W[r+k*rs] . x[t*ldx] for k < nr,
+ * t < nt (constants after inlining, so acc[][] lives in registers; rs, the
+ * rows between the tile's rows, is 1 but in avx2_row_runs).  pf: an address
+ * to prefetch from, at the pace this tile reads its rows (rs > 1: row k's
+ * at pf + k*rs rows). */
+GL_AVX2_INLINE void avx2_tile_rs(int type, const gl_mat *w, int r, int nr, int rs, const float *x, int ldx, int nt,
+                                 float *y, int ldy, const uint8_t *pf) {
     const int cols = w->cols, full = cols & ~7;
     const size_t es = gl_type_size(type);
     const int bcols = (cols + GL_F8_BLOCK - 1) / GL_F8_BLOCK;
-    const uint8_t *wr[AVX2_NR];
-    const float *wsc[AVX2_NR];
-    __m256 acc[AVX2_NR][AVX2_NT], s[AVX2_NR], wv[AVX2_NR];
+    const uint8_t *wr[AVX2_TILE_ROWS];
+    const float *wsc[AVX2_TILE_ROWS];
+    __m256 acc[AVX2_TILE_ROWS][AVX2_NT], s[AVX2_TILE_ROWS], wv[AVX2_TILE_ROWS];
 #pragma GCC unroll 4
     for (int k = 0; k < nr; k++) {
-        wr[k] = (const uint8_t *)w->data + (size_t)(r + k) * (size_t)cols * es;
-        wsc[k] = type == GL_F8_E4M3 ? w->scale + (size_t)((r + k) / GL_F8_BLOCK) * (size_t)bcols : NULL;
+        wr[k] = (const uint8_t *)w->data + (size_t)(r + k * rs) * (size_t)cols * es;
+        wsc[k] = type == GL_F8_E4M3 ? w->scale + (size_t)((r + k * rs) / GL_F8_BLOCK) * (size_t)bcols : NULL;
         s[k] = _mm256_setzero_ps();
 #pragma GCC unroll 4
         for (int t = 0; t < nt; t++) acc[k][t] = _mm256_setzero_ps();
@@ -101,9 +114,14 @@ GL_AVX2_INLINE void avx2_tile(int type, const gl_mat *w, int r, int nr, const fl
         }
         int ce = cb + GL_F8_BLOCK < full ? cb + GL_F8_BLOCK : full;
         for (int c = cb; c < ce; c += 8) {
-            const uint8_t *pc = pf + (size_t)c * (size_t)nr * es;
-            _mm_prefetch((const char *)pc, _MM_HINT_NTA);
-            if (nr * es * 8 > 64) _mm_prefetch((const char *)pc + 64, _MM_HINT_NTA);
+            if (rs > 1) {
+#pragma GCC unroll 4
+                for (int k = 0; k < nr; k++) _mm_prefetch((const char *)pf + ((size_t)k * rs * cols + c) * es, _MM_HINT_NTA);
+            } else {
+                const uint8_t *pc = pf + (size_t)c * (size_t)nr * es;
+                _mm_prefetch((const char *)pc, _MM_HINT_NTA);
+                if (nr * es * 8 > 64) _mm_prefetch((const char *)pc + 64, _MM_HINT_NTA);
+            }
 #pragma GCC unroll 4
             for (int k = 0; k < nr; k++) wv[k] = avx2_load_w(type, wr[k] + (size_t)c * es, s[k]);
 #pragma GCC unroll 4
@@ -133,7 +151,12 @@ GL_AVX2_INLINE void avx2_tile(int type, const gl_mat *w, int r, int nr, const fl
 #pragma GCC unroll 4
     for (int t = 0; t < nt; t++)
 #pragma GCC unroll 4
-        for (int k = 0; k < nr; k++) y[(size_t)t * ldy + r + k] = avx2_hsum(acc[k][t]);
+        for (int k = 0; k < nr; k++) y[(size_t)t * ldy + r + k * rs] = avx2_hsum(acc[k][t]);
+}
+
+GL_AVX2_INLINE void avx2_tile(int type, const gl_mat *w, int r, int nr, const float *x, int ldx, int nt,
+                              float *y, int ldy, const uint8_t *pf) {
+    avx2_tile_rs(type, w, r, nr, 1, x, ldx, nt, y, ldy, pf);
 }
 
 /* The tile for nt = 1..4 tokens (nr stays a constant). */
@@ -167,6 +190,24 @@ GL_AVX2_INLINE void avx2_panels(int type, const gl_mat *w, int nr, const float *
     }
 }
 
+/* Rows [r, r1) for 1-2 tokens, AVX2_ROW_RUNS rows at once: row i of each
+ * quarter of the range side by side, so four sequential runs are in flight
+ * where a panel's rows are streams a row apart.  Each row's sum is the one
+ * a row alone gets. */
+GL_AVX2_INLINE void avx2_row_runs(int type, const gl_mat *w, const float *x, int n, int ldx, float *y, int ldy, int r,
+                                  int r1) {
+    const size_t row_bytes = (size_t)w->cols * gl_type_size(type);
+    const int part = (r1 - r) / AVX2_ROW_RUNS;
+    const uint8_t *base = (const uint8_t *)w->data;
+    for (int i = 0; i < part; i++) {
+        const int ra = r + i, ahead = i + GL_PF_PANELS < part ? GL_PF_PANELS : 0;
+        const uint8_t *pf = base + (size_t)(ra + ahead) * row_bytes;
+        if (n == 1) avx2_tile_rs(type, w, ra, AVX2_ROW_RUNS, part, x, ldx, 1, y, ldy, pf);
+        else avx2_tile_rs(type, w, ra, AVX2_ROW_RUNS, part, x, ldx, 2, y, ldy, pf);
+    }
+    avx2_panels(type, w, 1, x, n, ldx, y, ldy, r + AVX2_ROW_RUNS * part, r1);
+}
+
 /* Tokens per block: the activations of a block (fp32 or int8) stay in L2
  * (~256 KB) while all the row panels pass over them. */
 static int gl_token_block(int cols, int elem_size) {
@@ -177,6 +218,10 @@ static int gl_token_block(int cols, int elem_size) {
 
 GL_AVX2_INLINE void avx2_matmul_typed(int type, const gl_mat *w, const float *x, int n, int ldx,
                                       float *y, int ldy, int r0, int r1) {
+    if (n <= AVX2_ROWWISE_MAX_N && (size_t)w->cols * gl_type_size(type) >= AVX2_ROWWISE_MIN_BYTES) {
+        avx2_row_runs(type, w, x, n, ldx, y, ldy, r0, r1);
+        return;
+    }
     const int nb = gl_token_block(w->cols, 4), r = r0 + (r1 - r0) / AVX2_NR * AVX2_NR;
     for (int i0 = 0; i0 < n; i0 += nb) {
         const int ni = n - i0 < nb ? n - i0 : nb;
