@@ -71,12 +71,6 @@ X86_Q8_INLINE void X86_Q8(xsums)(const int8_t *xq, int n, int ldx, int cols, int
     }
 }
 
-/* Panel p (rows 16p..16p+15) times nt tokens; y rows in [r0, r1) only
- * (xsum: the tokens' sums, read by the offset copies alone).  With R > 1
- * (one or two tokens: decode), R panels at once, p + s*part for s < R: R
- * sequential runs of bytes side by side, which keep more misses in flight
- * than one (see X86_Q8_RUNS), each prefetching its own run X86_Q8_RUN_PF
- * bytes ahead instead of pf.  R is a constant where it is called. */
 /* y[r] for r in [lo, hi) from a cut panel's eight sums s (rows rb..rb+7):
  * out of line, since the tiles' every (half, token) would otherwise carry
  * its own vectorized copy of this rare loop (the avx512_vnni copy's tiles
@@ -89,6 +83,12 @@ static __attribute__((noinline)) void x86_q8_store_rows(const int32_t *s, int rb
 }
 #endif
 
+/* Panel p (rows 16p..16p+15) times nt tokens; y rows in [r0, r1) only
+ * (xsum: the tokens' sums, read by the offset copies alone).  With R > 1
+ * (one or two tokens: decode), R panels at once, p + s*part for s < R: R
+ * sequential runs of bytes side by side, which keep more misses in flight
+ * than one (see X86_Q8_RUNS), each prefetching its own run X86_Q8_RUN_PF
+ * bytes ahead instead of pf.  R is a constant where it is called. */
 #ifndef X86_Q8_RUN_PF
 #define X86_Q8_RUN_PF 2048
 #endif
@@ -151,8 +151,13 @@ X86_Q8_INLINE void X86_Q8(tile_q8)(const gl_mat *w, const int R, int part, int p
     }
 }
 
-static X86_Q8_FN __attribute__((noinline)) void X86_Q8(tile_q8_nt)(const gl_mat *w, int p, const int8_t *xq, const float *xs, const int32_t *xsum,
-                                    int ldx, int nt, float *y, int ldy, int r0, int r1, const int8_t *pf) {
+/* One tile of nt = 1..X86_Q8_NT tokens: a function of its own, called once
+ * a (panel, token tile), so its X86_Q8_NT copies of the tile are compiled
+ * once rather than at each call site. */
+static X86_Q8_FN __attribute__((noinline)) void X86_Q8(tile_q8_nt)(const gl_mat *w, int p, const int8_t *xq,
+                                                                  const float *xs, const int32_t *xsum, int ldx,
+                                                                  int nt, float *y, int ldy, int r0, int r1,
+                                                                  const int8_t *pf) {
     switch (nt) {
 #if X86_Q8_NT > 4
     case 8: X86_Q8(tile_q8)(w, 1, 1, p, xq, xs, xsum, ldx, 8, y, ldy, r0, r1, pf); break;
