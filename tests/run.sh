@@ -17,8 +17,12 @@ step() {  # step NAME COMMAND...
     printf '== %s\n' "$name"
     "$@" >"$log" 2>&1
     rc=$?
-    cat "$log"
-    line=$(grep -E '[0-9]+ passed, [0-9]+ failed' "$log" | tail -n 1)
+    tally "$name" "$log" "$rc" $(($(date +%s) - t0))
+}
+
+tally() {  # tally NAME LOG EXIT-STATUS SECONDS: print a step's output and count it
+    name=$1; cat "$2"; rc=$3
+    line=$(grep -E '[0-9]+ passed, [0-9]+ failed' "$2" | tail -n 1)
     if [ -n "$line" ]; then
         p=$(echo "$line" | sed -E 's/.* ([0-9]+) passed, ([0-9]+) failed.*/\1/')
         f=$(echo "$line" | sed -E 's/.* ([0-9]+) passed, ([0-9]+) failed.*/\2/')
@@ -28,8 +32,52 @@ step() {  # step NAME COMMAND...
     fi
     passed=$((passed + p))
     failed=$((failed + f))
-    printf '   %s: %d passed, %d failed (%ds)\n' "$name" "$p" "$f" $(($(date +%s) - t0))
+    printf '   %s: %d passed, %d failed (%ds)\n' "$name" "$p" "$f" "$4"
 }
+
+# The compile-only checks (warnings as errors on gcc and clang, C++) run
+# one after another in the background while the tests below run: the tests
+# leave a core idle most of the time, and the checks took a minute and a
+# half in a row.  Their results are counted in order near the end
+# (compile_checks_report).
+checks=$(mktemp -d)
+compile_check() {  # compile_check NAME COMMAND...: run in the chain, results in $checks
+    n=$(ls "$checks" | grep -c '\.name$')
+    printf '%s' "$1" >"$checks/$n.name"; shift
+    t0=$(date +%s)
+    "$@" >"$checks/$n.log" 2>&1
+    echo "$? $(($(date +%s) - t0))" >"$checks/$n.rc"
+}
+compile_checks() {
+    compile_check "gcc -O2 -Wall -Wextra -Werror -c dist/cm384.c" gcc -std=c11 -O2 -Wall -Wextra -Werror -c dist/cm384.c -o "$B/check_amalg.o"
+    compile_check "gcc -O3 -Wall -Wextra -Werror -c cm384.c" gcc -std=c11 -O3 -Wall -Wextra -Werror -c cm384.c -o "$B/check_gcc.o"
+    # the tests too (they include cm384.c): gcc's -O1 warnings, clang's checks
+    compile_check "gcc -Wall -Wextra -Werror -O1 tests/main.c" gcc -std=c11 -O1 -Wall -Wextra -Werror -pthread -c tests/main.c -o /dev/null
+    compile_check "gcc -Wall -Wextra -Werror examples/server.c" gcc -std=c11 -O2 -Wall -Wextra -Werror -pthread -c examples/server.c -o "$B/check_server_gcc.o"
+    if command -v clang >/dev/null 2>&1; then
+        compile_check "clang -O3 -Wall -Wextra -Werror -c cm384.c" clang -std=c11 -O3 -Wall -Wextra -Werror -c cm384.c -o "$B/check_clang.o"
+        compile_check "clang -Wall -Wextra -Werror examples/server.c" clang -std=c11 -O2 -Wall -Wextra -Werror -pthread -c examples/server.c -o "$B/check_server_clang.o"
+        compile_check "clang -Wall -Wextra -Werror tests/main.c" clang -std=c11 -Wall -Wextra -Werror -pthread -fsyntax-only tests/main.c
+        # without the SIMD sets, as the fuzz build compiles it
+        compile_check "clang -Wall -Wextra -Werror -DGL_NO_SIMD cm384.c" clang -std=c11 -Wall -Wextra -Werror -DGL_NO_SIMD -pthread -fsyntax-only cm384.c
+    fi
+    if command -v c++ >/dev/null 2>&1; then
+        compile_check "cm384.h compiles as C++" c++ -fsyntax-only -Wall -Wextra -x c++ cm384.h
+    fi
+}
+compile_checks_report() {
+    wait "$checks_pid"
+    n=0
+    while [ -f "$checks/$n.name" ]; do
+        printf '== %s\n' "$(cat "$checks/$n.name")"
+        if [ -f "$checks/$n.rc" ]; then set -- $(cat "$checks/$n.rc"); else set -- 1 0; fi
+        tally "$(cat "$checks/$n.name")" "$checks/$n.log" "$1" "$2"
+        n=$((n + 1))
+    done
+    rm -rf "$checks"
+}
+compile_checks &
+checks_pid=$!
 
 # unit and golden tests
 T="$B/cm384_tests"
@@ -72,7 +120,7 @@ step "asan+ubsan faults" env CM384_QUICK=1 ASAN_OPTIONS=detect_leaks=1 "$B/asan/
 step "tsan engine" env CM384_QUICK=1 TSAN_OPTIONS="halt_on_error=1" "$B/tsan/cm384_tests" engine
 step "tsan peers" env CM384_QUICK=1 TSAN_OPTIONS="halt_on_error=1" "$B/tsan/cm384_tests" peers
 step "tsan faults" env CM384_QUICK=1 TSAN_OPTIONS="halt_on_error=1" "$B/tsan/cm384_tests" faults
-step "tsan kernels (pool)" env CM384_QUICK=1 TSAN_OPTIONS="halt_on_error=1" "$B/tsan/cm384_tests" kernels
+step "tsan kernels (pool)" env CM384_TEST_POOL_ONLY=1 TSAN_OPTIONS="halt_on_error=1" "$B/tsan/cm384_tests" kernels
 step "tsan slo" env TSAN_OPTIONS="halt_on_error=1" "$B/tsan/cm384_tests" slo
 
 # the trained default model: cm384 perplexity reproduces the trainer's validation loss
@@ -120,7 +168,6 @@ amalgamation_check() {
     [ "$a" = "$b" ] || { echo "differs from build/embed: $b"; return 1; }
 }
 step "amalgamation: embed from dist/cm384.c + cm384.h" amalgamation_check
-step "gcc -O2 -Wall -Wextra -Werror -c dist/cm384.c" gcc -std=c11 -O2 -Wall -Wextra -Werror -c dist/cm384.c -o "$B/check_amalg.o"
 
 # the OpenAI-compatible server under real clients: the openai npm package,
 # curl, raw sockets, and a 64-client load run (tests/server/server_test.mjs)
@@ -148,10 +195,6 @@ fuzz_replay() {
 }
 step "fuzz_server: replay the seeds (ASan+UBSan)" fuzz_replay
 
-step "gcc -Wall -Wextra -Werror examples/server.c" gcc -std=c11 -O2 -Wall -Wextra -Werror -pthread -c examples/server.c -o "$B/check_server_gcc.o"
-if command -v clang >/dev/null 2>&1; then
-    step "clang -Wall -Wextra -Werror examples/server.c" clang -std=c11 -O2 -Wall -Wextra -Werror -pthread -c examples/server.c -o "$B/check_server_clang.o"
-fi
 
 # the fuzz harnesses, a short fixed number of runs each from their seed
 # corpus (new inputs go to a scratch directory; tests/fuzz/README.md)
@@ -174,21 +217,9 @@ if [ -x "$B/fuzz/cm384_fuzz" ]; then
     done
 fi
 
-# one translation unit, warning-free, header usable from C++
-step "gcc -O3 -Wall -Wextra -Werror -c cm384.c" gcc -std=c11 -O3 -Wall -Wextra -Werror -c cm384.c -o "$B/check_gcc.o"
-if command -v clang >/dev/null 2>&1; then
-    step "clang -O3 -Wall -Wextra -Werror -c cm384.c" clang -std=c11 -O3 -Wall -Wextra -Werror -c cm384.c -o "$B/check_clang.o"
-fi
-# the tests too (they include cm384.c): gcc's -O1 warnings, clang's checks
-step "gcc -Wall -Wextra -Werror -O1 tests/main.c" gcc -std=c11 -O1 -Wall -Wextra -Werror -pthread -c tests/main.c -o /dev/null
-if command -v clang >/dev/null 2>&1; then
-    step "clang -Wall -Wextra -Werror tests/main.c" clang -std=c11 -Wall -Wextra -Werror -pthread -fsyntax-only tests/main.c
-    # without the SIMD sets, as the fuzz build compiles it
-    step "clang -Wall -Wextra -Werror -DGL_NO_SIMD cm384.c" clang -std=c11 -Wall -Wextra -Werror -DGL_NO_SIMD -pthread -fsyntax-only cm384.c
-fi
-if command -v c++ >/dev/null 2>&1; then
-    step "cm384.h compiles as C++" c++ -fsyntax-only -Wall -Wextra -x c++ cm384.h
-fi
+# one translation unit, warning-free, header usable from C++ (run in the
+# background since the start: compile_checks above)
+compile_checks_report
 
 # a load under valgrind
 if command -v valgrind >/dev/null 2>&1; then

@@ -7,7 +7,10 @@
  * failure and ends with "kernels: N passed, N failed"; exits 0 only if all
  * pass.  Each check counts once, however many values it compares.  Also
  * meant to run under -fsanitize=address,undefined and -fsanitize=thread,
- * and under qemu-aarch64 for the NEON sets. */
+ * and under qemu-aarch64 for the NEON sets.  CM384_TEST_POOL_ONLY=1 (the
+ * ThreadSanitizer run) keeps what runs on more than one thread -- the pool
+ * and every set's products through it -- and leaves the single-threaded
+ * checks to the plain and ASan runs, where they cost a tenth of the time. */
 #include "../ggml_like/ggml_like.c"
 
 #include <stdarg.h>
@@ -15,6 +18,7 @@
 #include <time.h>
 
 static int kern_passed, kern_failed;
+static int pool_only;   /* CM384_TEST_POOL_ONLY: only what runs on the pool's threads */
 
 static void check(int ok, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 static void check(int ok, const char *fmt, ...) {
@@ -983,8 +987,10 @@ static void test_invariance(const gl_kernels *k, gl_pool *pool2, gl_pool *pool4)
             float *ref = xmalloc(ysz * sizeof(float)), *y = xmalloc(ysz * sizeof(float));
             run_mm(k, &t.m, &a, 0, n, ref, ldy, 0, rows);
 
-            /* (1) one token at a time, each from a copy at another alignment */
             int bad = 0;
+            if (pool_only) goto through_pool;
+
+            /* (1) one token at a time, each from a copy at another alignment */
             test_act one = make_act(k, 1, cols, cols + 8);
             for (int i = 0; i < n; i++) {
                 int off = i % 8;
@@ -1017,6 +1023,7 @@ static void test_invariance(const gl_kernels *k, gl_pool *pool2, gl_pool *pool4)
             check(!bad, "%s: %s cols=%d: %d values differ (or stray writes) under row/token splits", k->name, type_name(type), cols, bad);
 
             /* (3) through the pool, 16-row chunks, 2 and 4 threads */
+        through_pool:
             for (int pi = 0; pi < 2; pi++) {
                 gl_pool *p = pi ? pool4 : pool2;
                 pool_mm pm = {k, &t.m, &a, y, ldy, n, 16};
@@ -1255,6 +1262,7 @@ int test_main_kernels(int argc, char **argv) {
 int main(int argc, char **argv) {
 #endif
     if (argc > 1) rng_state = strtoull(argv[1], NULL, 0) | 1;   /* another seed: other random shapes and data */
+    pool_only = getenv("CM384_TEST_POOL_ONLY") != NULL;
     const gl_kernels *sets[8];
     int n_sets = gl_kernels_all(sets, 8);
     if (n_sets > 8) n_sets = 8;
@@ -1271,15 +1279,18 @@ int main(int argc, char **argv) {
     check(gl_kernels_get() == sets[n_sets - 1], "gl_kernels_get is not the last of gl_kernels_all");
     check(gl_kernels_by_name("scalar") == gl_kernels_scalar() && !gl_kernels_by_name("nope"), "gl_kernels_by_name");
 
-    test_conversions();
     test_pool(2);
     test_pool_pinned(2);
     test_pool_pinned(4);
     test_pool(4);
-    test_scalar_wide();
-    test_block_formats();
+    if (!pool_only) {
+        test_conversions();
+        test_scalar_wide();
+        test_block_formats();
+    }
     gl_pool *pool2 = gl_pool_create(2), *pool4 = gl_pool_create(4);
-    for (int s = 0; s < n_sets; s++) {
+    for (int s = 0; s < n_sets && pool_only; s++) test_invariance(sets[s], pool2, pool4);
+    for (int s = 0; s < n_sets && !pool_only; s++) {
         test_set_conversions(sets[s]);
         test_quantize(sets[s]);
         test_dot_axpy(sets[s]);
@@ -1301,7 +1312,8 @@ int main(int argc, char **argv) {
     }
     {   /* opt-in sets: never chosen by default; checked wherever the CPU has them */
         const gl_kernels *bf = gl_kernels_by_name("avx512_bf16");
-        if (bf) {
+        if (bf && pool_only) test_invariance(bf, pool2, pool4);
+        else if (bf) {
             test_bf16_native(bf);
             test_q8_extremes(bf);
             test_dot_rows_t(bf);
