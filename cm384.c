@@ -6210,6 +6210,8 @@ struct cm384_engine {
     struct eplb_item *eplb_items;
     int              *eplb_used, *eplb_old;
     _Atomic uint64_t  weight_bytes[2];       /* weight bytes streamed per phase (stats; get_stats reads them mid-step) */
+    _Atomic uint64_t  roof_bytes[CM384_ROOF_ROWS], roof_macs[CM384_ROOF_ROWS];   /* decode's products by rows */
+    _Atomic uint64_t  roof_core_flops;       /* decode's attention core (cm384_stats.decode_roof_*) */
     _Atomic uint64_t  dispatch_bytes, dispatch_bytes_bf16, combine_bytes, combine_bytes_bf16, n_messages;
     _Atomic uint64_t  local_bytes;           /* rows a device wrote to itself: not fabric */
     _Atomic uint64_t  kv_handoff_bytes;      /* the RDMA plane                   */
@@ -6498,6 +6500,14 @@ static mm_job *op_job(op *o) {
     return jb;
 }
 
+/* A decode product of w over n rows, for the roofline (cm384_stats). */
+static void roof_count(struct cm384_engine *e, const gl_mat *w, int n, int times) {
+    uint64_t values = (uint64_t)w->rows * (uint64_t)w->cols * (uint64_t)times;
+    int i = n < CM384_ROOF_ROWS ? n - 1 : CM384_ROOF_ROWS - 1;
+    atomic_fetch_add_explicit(&e->roof_bytes[i], values * gl_type_size(w->type), memory_order_relaxed);
+    atomic_fetch_add_explicit(&e->roof_macs[i], values * (uint64_t)n, memory_order_relaxed);
+}
+
 /* y = W x over a device's rows.  INT8 weights (GL_Q8) read the rows'
  * quantized copy xq (same row stride) and scales xs instead of x. */
 static void op_mmq(op *o, region *rg, const gl_mat *w, const float *x, const int8_t *xq, const float *xs, int ldx,
@@ -6508,6 +6518,7 @@ static void op_mmq(op *o, region *rg, const gl_mat *w, const float *x, const int
     region_add_mm(rg, o->e->n_workers, jb, device);
     atomic_fetch_add_explicit(&o->e->weight_bytes[o->mb->phase == PHASE_DECODE],
                               (uint64_t)w->rows * (uint64_t)w->cols * gl_type_size(w->type), memory_order_relaxed);
+    if (o->mb->phase == PHASE_DECODE) roof_count(o->e, w, n, 1);
 }
 
 /* The group added at index `first` (if any) did every device group's work
@@ -6684,6 +6695,13 @@ static void op_heads(op *o, region *rg, task_fn fn, int uv) {
     int H = o->e->m->hp.n_heads, W = o->e->n_workers;
     o->head_fn = fn;
     o->heads_per_task = mb->n <= MM_STREAM_MAX_N && W > 1 ? (H + W - 1) / W : 1;
+    if (mb->phase == PHASE_DECODE) {   /* every head's product over each group's rows */
+        const layer_w *L = &o->e->m->layers[o->layer];
+        const layer_q8 *Q = op_q8(o);
+        const gl_mat *w = uv ? (Q ? &Q->w_uv[0] : &L->w_uv[0]) : (Q ? &Q->w_uk_t[0] : &L->w_uk_t[0]);
+        if (o->e->fuse_groups && mb->n_groups > 1) roof_count(o->e, w, mb->n, H);
+        else FOR_GROUPS(mb, g) roof_count(o->e, w, mb->groups[g].n, H);
+    }
     int tasks = (H + o->heads_per_task - 1) / o->heads_per_task;
     if (o->e->fuse_groups && mb->n_groups > 1) {
         int first = region_groups(rg);
@@ -7548,6 +7566,12 @@ static int attn_stage(op *o, region *rg) {
             region_add(rg, t_core, o, g,
                        (mb->s->tile_first[g + 1] - mb->s->tile_first[g]) * o->core_lanes * o->core_split,
                        mb->groups[g].device);
+        if (mb->phase == PHASE_DECODE) {   /* the roofline: per head and key a score and a weighted latent */
+            uint64_t keys = 0;
+            for (int r = 0; r < mb->n; r++) keys += (uint64_t)mb->pos[r] + 1;
+            atomic_fetch_add_explicit(&o->e->roof_core_flops, keys * 2u * (uint64_t)H * (2u * (uint64_t)hp->kv_lora + (uint64_t)hp->qk_rope),
+                                      memory_order_relaxed);
+        }
         return 1;
     case 6:
         rg->op = "W_uv";
@@ -11024,6 +11048,11 @@ int cm384_get_stats(cm384_engine *e, cm384_stats *out) {
     st.slo_infeasible = D->slo.infeasible;
     st.prefill_weight_bytes = atomic_load_explicit(&e->weight_bytes[0], memory_order_relaxed);
     st.decode_weight_bytes = atomic_load_explicit(&e->weight_bytes[1], memory_order_relaxed);
+    for (int i = 0; i < CM384_ROOF_ROWS; i++) {
+        st.decode_roof_bytes[i] = atomic_load_explicit(&e->roof_bytes[i], memory_order_relaxed);
+        st.decode_roof_macs[i] = atomic_load_explicit(&e->roof_macs[i], memory_order_relaxed);
+    }
+    st.decode_roof_core_flops = atomic_load_explicit(&e->roof_core_flops, memory_order_relaxed);
     /* decode rows on the routed-expert devices, layer by layer: a layer's
        dispatch waits for its busiest device */
     double sum_max = 0, sum_mean = 0;
@@ -11157,6 +11186,8 @@ void cm384_reset_stats(cm384_engine *e) {
     memset(e->dev_rows_layer, 0, (size_t)(e->m->hp.n_layers + e->m->hp.n_mtp) * e->n_dev * sizeof(uint64_t));
     atomic_store(&e->weight_bytes[0], 0);
     atomic_store(&e->weight_bytes[1], 0);
+    for (int i = 0; i < CM384_ROOF_ROWS; i++) atomic_store(&e->roof_bytes[i], 0), atomic_store(&e->roof_macs[i], 0);
+    atomic_store(&e->roof_core_flops, 0);
     size_t n_load = (size_t)(e->m->hp.n_layers + e->m->hp.n_mtp) * (size_t)(e->m->hp.n_routed > 0 ? e->m->hp.n_routed : 1);
     memset(e->expert_load, 0, 2 * n_load * sizeof(uint64_t));
     memset(e->peers[LANE_DECODE].load_mark, 0, n_load * sizeof(uint64_t));

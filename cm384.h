@@ -736,6 +736,20 @@ typedef struct cm384_stats {
     uint64_t decode_alone_steps, decode_alone_tokens;
     uint64_t decode_alone_weight_bytes;   /* as decode_weight_bytes, over them */
     double   decode_alone_seconds;
+    /* decode's roofline.  A product of b bytes of weights over n rows
+       (tokens) does m = n x (its weights' values) multiply-adds, and no
+       machine runs it faster than max(b / read bandwidth, 2 m / peak), the
+       peak being INT8's for INT8 weights and the FP32 FMA rate for the
+       others (they widen to fp32); the attention core's fp32 flops take at
+       least flops / FP32 peak.  The sum is the fastest decode's steps could
+       go on a machine with those limits -- with many streams, faster than
+       their weight bytes alone allow only while every product is bound by
+       memory.  [i]: products over i + 1 rows (the last: CM384_ROOF_ROWS or
+       more), every product counted, the absorbed per-head ones too. */
+#define CM384_ROOF_ROWS 32
+    uint64_t decode_roof_bytes[CM384_ROOF_ROWS];
+    uint64_t decode_roof_macs[CM384_ROOF_ROWS];
+    uint64_t decode_roof_core_flops;
 } cm384_stats;
 
 CM384_API int  cm384_get_stats(cm384_engine *e, cm384_stats *out);

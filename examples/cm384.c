@@ -1110,7 +1110,7 @@ static int cmd_bench(const opts *o) {
                "\"decode_steps\":%llu,\"decode_steps_in_prefill\":%llu,\"cache_hits_pool\":%llu,\"cache_hits_disk\":%llu,"
                "\"cache_misses\":%llu,\"tokens_cached\":%llu,\"tokens_prefilled\":%llu,\"prefill_s\":%.4f,"
                "\"prefill_lent_s\":%.4f,\"prefill_lent_tasks\":%llu,\"arrival_ttft_mean_ms\":%.2f,\"arrival_ttft_max_ms\":%.2f,"
-               "\"decode_alone_steps\":%llu,\"decode_alone_tok_s\":%.2f,\"decode_alone_weight_gbs\":%.2f}\n",
+               "\"decode_alone_steps\":%llu,\"decode_alone_tok_s\":%.2f,\"decode_alone_weight_gbs\":%.2f,",
                o->time_shared, AP, out.n_arrived, arrival_tok_s, total_tok_s, out.itl50, out.itl99, out.tp50, out.tp99,
                (unsigned long long)st.decode_steps, (unsigned long long)st.decode_steps_in_prefill,
                (unsigned long long)st.cache_hits_pool, (unsigned long long)st.cache_hits_disk,
@@ -1120,6 +1120,15 @@ static int cmd_bench(const opts *o) {
                (unsigned long long)st.decode_alone_steps,
                st.decode_alone_seconds > 0 ? st.decode_alone_tokens / st.decode_alone_seconds : 0.0,
                st.decode_alone_seconds > 0 ? st.decode_alone_weight_bytes / st.decode_alone_seconds / 1e9 : 0.0);
+        /* decode's roofline (cm384.h, cm384_stats): make bench puts the
+           machine's limits to it */
+        for (int a = 0; a < 2; a++) {
+            printf("\"decode_roof_%s\":[", a ? "macs" : "bytes");
+            for (int i = 0; i < CM384_ROOF_ROWS; i++)
+                printf("%s%llu", i ? "," : "", (unsigned long long)(a ? st.decode_roof_macs[i] : st.decode_roof_bytes[i]));
+            printf("],");
+        }
+        printf("\"decode_roof_core_flops\":%llu}\n", (unsigned long long)st.decode_roof_core_flops);
     } else if (!status && !o->slo) {
         printf("workload: %d requests x (%d prompt + %d generated) tokens, %d in flight, shared prefix %.0f%%, %d tenant%s\n",
                R, P, N, C, 100 * o->shared_prefix, T, T > 1 ? "s" : "");

@@ -109,6 +109,21 @@ $o limits_before= $lim"
     res=""
     for f in $fields; do
         case $f in
+        roof/fp32 | roof/int8)   # decode's roofline (cm384_stats.decode_roof_*) over its time
+            pk=$I8; [ "$f" = roof/fp32 ] && pk=$FP
+            v=$(echo "$outs" | grep 'limits_before=' | awk -v gb="${BW:-0}" -v gf="${FP:-0}" -v gp="${pk:-0}" -v fp32="$([ "$f" = roof/fp32 ] && echo 1 || echo 0)" '
+                function field(name,   i, t) { i = index($0, "\"" name "\":"); if (!i) return ""; t = substr($0, i + length(name) + 3); sub(/[],}].*/, "", t); return t }
+                function list(name, a,   i, t) { i = index($0, "\"" name "\":["); if (!i) return 0; t = substr($0, i + length(name) + 4); sub(/\].*/, "", t); return split(t, a, ",") }
+                {
+                    split(substr($0, index($0, "limits_before=") + 15), L, " ")
+                    bw = L[1] > gb ? L[1] : gb; fp = L[2] > gf ? L[2] : gf; pk = fp32 ? fp : (L[3] > gp ? L[3] : gp)
+                    n = list("decode_roof_bytes", b); list("decode_roof_macs", m)
+                    ds = field("decode_seconds"); core = field("decode_roof_core_flops")
+                    if (!n || ds <= 0 || bw <= 0 || pk <= 0 || fp <= 0) next
+                    t = core / (fp * 1e9)
+                    for (i = 1; i <= n; i++) { x = b[i] / (bw * 1e9); y = 2 * m[i] / (pk * 1e9); t += x > y ? x : y }
+                    print t / ds
+                }' | median) ;;
         */bw | */fp32 | */int8)
             col=3; g=$BW; case $f in */fp32) col=4; g=$FP ;; */int8) col=5; g=$I8 ;; esac
             v=$(echo "$outs" | sed -n "s/.*\"${f%/*}\":\([-0-9.e]*\).* limits_before= \(.*\)\$/\1 \2/p" |
@@ -158,8 +173,8 @@ peer_table() {
 if want 3; then
 echo
 echo "== 3. models: prefill 512 tokens, decode 128 tokens (1 stream), decode 16 streams; medians of $RUNS"
-printf '%-9s %-5s | %9s %8s %7s %6s | %9s %8s %7s %9s | %9s %7s %9s %6s %6s\n' model dtype "prefill" "GOP/s" "%peak" "bound" \
-    "decode" "GB/s" "%bw" "tok/s/TF" "16 strm" "x 1-st" "ceiling" "%ceil" "alone"
+printf '%-9s %-5s | %9s %8s %7s %6s | %9s %8s %7s %9s | %9s %7s %9s %6s %6s %6s\n' model dtype "prefill" "GOP/s" "%peak" "bound" \
+    "decode" "GB/s" "%bw" "tok/s/TF" "16 strm" "x 1-st" "ceiling" "%ceil" "alone" "%roof"
 for name in $MODELS; do
     for q in bf16 int8; do
         flag=""; peak=$FP; lk=fp32
@@ -171,15 +186,15 @@ for name in $MODELS; do
         # peak and the attention core's fp32 flops at the FP32 peak, both
         # at 100% (the core is exact fp32 whatever the weights)
         bound=$(awk -v w="$gops" -v c="$cgf" -v p="$peak" -v f="$FP" 'BEGIN { if (w > 0 && f > 0) print 1 / (1 + c / w * p / f); else print 0 }')
-        set -- $(bench_median "decode_tok_s decode_steps_weight_gbs decode_steps_weight_gbs/bw decode_alone_weight_gbs/bw" \
+        set -- $(bench_median "decode_tok_s decode_steps_weight_gbs decode_steps_weight_gbs/bw decode_alone_weight_gbs/bw roof/$lk" \
             -m "$M/$name" -p 64 -n 64 --requests 16 --concurrency 16 -t "$T" $flag)
-        n16=$1; g16=$2; f16=$3; fa16=$4
+        n16=$1; g16=$2; f16=$3; fa16=$4; fr16=$5
         # the ceiling: the steps' own weight bytes (each distinct expert once) at the read bandwidth
         # measured beside the runs (their median share of it, f16, is %ceil)
         ceil=$(awk -v n="$n16" -v f="$f16" 'BEGIN { if (f > 0) printf "%.1f", n / f; else print 0 }')
         tf=$(awk -v d="$dec" -v p="$peak" 'BEGIN { printf "%.1f", d / (p / 1000) }')
-        printf '%-9s %-5s | %9.1f %8.1f %7s %6s | %9.1f %8.2f %7s %9s | %9.1f %7s %9.1f %6s %6s\n' "$name" "$q" "$pf" "$gops" "$(pct "$fpk" 1)" "$(pct "$bound" 1)" \
-            "$dec" "$gbs" "$(pct "$fbw" 1)" "$tf" $n16 "$(ratio $n16 "$dec")" "$ceil" "$(pct "$f16" 1)" "$(pct "$fa16" 1)"
+        printf '%-9s %-5s | %9.1f %8.1f %7s %6s | %9.1f %8.2f %7s %9s | %9.1f %7s %9.1f %6s %6s %6s\n' "$name" "$q" "$pf" "$gops" "$(pct "$fpk" 1)" "$(pct "$bound" 1)" \
+            "$dec" "$gbs" "$(pct "$fbw" 1)" "$tf" $n16 "$(ratio $n16 "$dec")" "$ceil" "$(pct "$f16" 1)" "$(pct "$fa16" 1)" "$(pct "$fr16" 1)"
     done
 done
 echo "(prefill GOP/s = 2 x active parameters but the head x tok/s; GB/s = active weight bytes read per token x tok/s;"
@@ -189,7 +204,10 @@ echo " core leaves reachable; tok/s/TF = decode tok/s per TFLOPS of that peak;"
 echo " ceiling = 16-stream tok/s if the weight bytes its steps read -- each distinct expert once per step -- streamed"
 echo " at the read bandwidth; %ceil = 16-stream tok/s against it; alone = the same over the decode steps no prefill"
 echo " step ran beside (the prompts arrive together: many steps share the workers with their prefill, and the last"
-echo " have the requests that finished it late).  %peak, %bw and %ceil: each run against the limit"
+echo " have the requests that finished it late); %roof = the 16-stream steps' roofline over their time: each product"
+echo " at the slower of its bytes at the read bandwidth and its multiply-adds at the peak, the core's flops at the"
+echo " FP32 peak (cm384.h, decode_roof_*): above %ceil where products compute longer than they read.  %peak, %bw,"
+echo " %ceil and %roof: each run against the limit"
 echo " measured just before it (bench_kernels --now) or the one above, whichever is higher; median over runs)"
 
 if [ -n "$LLAMA_BENCH" ] && [ -x "$LLAMA_BENCH" ]; then

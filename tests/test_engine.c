@@ -226,6 +226,68 @@ static void profiled(cm384_model *m) {
     CHECK(cm384_engine_create(m, &c, &e) == CM384_E_INVALID && e == NULL, "config.profile = 2 is refused");
 }
 
+/* Decode's roofline counters (cm384_stats.decode_roof_*): one stream
+ * without MTP multiplies one row a product, so every byte sits in the first
+ * bucket with as many multiply-adds as weight values; the core's flops are
+ * per layer and key a score and a weighted latent of every head, over the
+ * keys each decode step's query sees. */
+static void roofline(cm384_model *m) {
+    printf("decode roofline counters:\n");
+    uint64_t fp_macs = 0, fp_bytes = 0;
+    for (int int8 = 0; int8 < 2; int8++) {
+        cm384_config c;
+        cm384_config_init(&c);
+        c.n_workers = 2; c.max_ctx = 256; c.mtp = 0; c.int8 = int8;
+        cm384_engine *e = NULL;
+        if (cm384_engine_create(m, &c, &e)) { CHECK(0, "engine: %s", cm384_last_error()); return; }
+        enum { P = 20, N = 12 };
+        int32_t prompt[P];
+        for (int i = 0; i < P; i++) prompt[i] = 2 + (i * 37) % 1000;
+        cm384_sampling sp;
+        cm384_sampling_init(&sp);
+        sp.max_tokens = N; sp.ignore_eos = 1;
+        int r = cm384_generate(e, NULL, prompt, P, &sp, NULL, NULL);
+        CHECK(r == CM384_OK, "generate: %s", cm384_strerror(r));
+        cm384_stats st = {.struct_size = sizeof st};
+        cm384_get_stats(e, &st);
+        const hparams *hp = &m->hp;
+        uint64_t others = 0, keys = 0;
+        for (int i = 1; i < CM384_ROOF_ROWS; i++) others += st.decode_roof_bytes[i] + st.decode_roof_macs[i];
+        /* steps at positions P .. P + steps - 1 (the first token came from prefill) */
+        for (uint64_t t = 0; t < st.decode_steps; t++) keys += (uint64_t)P + t + 1;
+        uint64_t flops = keys * (uint64_t)hp->n_layers * 2u * (uint64_t)hp->n_heads * (2u * (uint64_t)hp->kv_lora + (uint64_t)hp->qk_rope);
+        printf("  %s: %llu decode steps, %llu bytes over %llu multiply-adds at 1 row, core %llu flops\n", int8 ? "int8" : "fp",
+               (unsigned long long)st.decode_steps, (unsigned long long)st.decode_roof_bytes[0],
+               (unsigned long long)st.decode_roof_macs[0], (unsigned long long)st.decode_roof_core_flops);
+        CHECK(st.decode_steps == N - 1, "%llu decode steps for %d tokens", (unsigned long long)st.decode_steps, N);
+        CHECK(others == 0, "one stream: products over more than one row counted");
+        CHECK(st.decode_roof_bytes[0] >= st.decode_weight_bytes && st.decode_weight_bytes > 0,
+              "roofline bytes %llu below the weight bytes streamed %llu (it also counts the per-head products)",
+              (unsigned long long)st.decode_roof_bytes[0], (unsigned long long)st.decode_weight_bytes);
+        /* one row: a multiply-add per weight value -- the same products in
+           INT8 (1 byte a value, the router's few kept as they were) as in
+           the file's type (2-4 bytes) */
+        if (!int8) {
+            fp_macs = st.decode_roof_macs[0]; fp_bytes = st.decode_roof_bytes[0];
+            CHECK(fp_macs * 2 <= fp_bytes && fp_bytes <= fp_macs * 4, "fp: %llu multiply-adds for %llu bytes",
+                  (unsigned long long)fp_macs, (unsigned long long)fp_bytes);
+        } else {
+            CHECK(st.decode_roof_macs[0] == fp_macs, "int8: %llu multiply-adds, %llu in the file's type",
+                  (unsigned long long)st.decode_roof_macs[0], (unsigned long long)fp_macs);
+            CHECK(st.decode_roof_macs[0] <= st.decode_roof_bytes[0] && st.decode_roof_bytes[0] < fp_bytes,
+                  "int8: %llu bytes for %llu multiply-adds (%llu in the file's type)", (unsigned long long)st.decode_roof_bytes[0],
+                  (unsigned long long)st.decode_roof_macs[0], (unsigned long long)fp_bytes);
+        }
+        CHECK(st.decode_roof_core_flops == flops, "core flops %llu, want %llu", (unsigned long long)st.decode_roof_core_flops,
+              (unsigned long long)flops);
+        cm384_reset_stats(e);
+        cm384_get_stats(e, &st);
+        CHECK(st.decode_roof_bytes[0] == 0 && st.decode_roof_macs[0] == 0 && st.decode_roof_core_flops == 0,
+              "cm384_reset_stats clears the roofline counters");
+        cm384_engine_free(e);
+    }
+}
+
 /* ---- exactness matrix ---- */
 static void exactness(cm384_model *m) {
     int N = quick ? 12 : 64;
@@ -756,6 +818,7 @@ TEST_MAIN(engine) {
     exhaustion(m);
     prefaulted(m);
     profiled(m);
+    roofline(m);
     control(m);
     trace(m);
     cm384_model_free(m);
