@@ -6500,11 +6500,13 @@ static mm_job *op_job(op *o) {
     return jb;
 }
 
-/* A decode product of w over n rows, for the roofline (cm384_stats). */
+/* `times` decode products of w over n rows, for the roofline (cm384_stats):
+ * their bytes as stored (block formats by their blocks) and multiply-adds. */
 static void roof_count(struct cm384_engine *e, const gl_mat *w, int n, int times) {
+    uint64_t bytes = (uint64_t)w->rows * gl_row_bytes(w->type, w->cols) * (uint64_t)times;
     uint64_t values = (uint64_t)w->rows * (uint64_t)w->cols * (uint64_t)times;
     int i = n < CM384_ROOF_ROWS ? n - 1 : CM384_ROOF_ROWS - 1;
-    atomic_fetch_add_explicit(&e->roof_bytes[i], values * gl_type_size(w->type), memory_order_relaxed);
+    atomic_fetch_add_explicit(&e->roof_bytes[i], bytes, memory_order_relaxed);
     atomic_fetch_add_explicit(&e->roof_macs[i], values * (uint64_t)n, memory_order_relaxed);
 }
 
@@ -6673,9 +6675,22 @@ static dev_group head_rows(const microbatch *mb, int g) {
     return all;
 }
 
-static size_t head_bytes(const op *o, int uv);
-
 /* A run of o->heads_per_task heads of a per-head product, in order. */
+/* Head 0's absorbed product (uv: W_uv, else W_uk^T) in the type it is used
+ * in; every head's has its shape and type. */
+static const gl_mat *head_mat(const op *o, int uv) {
+    const layer_w *L = &o->e->m->layers[o->layer];
+    const layer_q8 *Q = op_q8(o);
+    return uv ? (Q ? &Q->w_uv[0] : &L->w_uv[0]) : (Q ? &Q->w_uk_t[0] : &L->w_uk_t[0]);
+}
+
+/* Bytes of one token's absorbed products over every head: t_absorb's and
+ * t_uv's size. */
+static size_t head_bytes(const op *o, int uv) {
+    const gl_mat *w = head_mat(o, uv);
+    return (size_t)o->e->m->hp.n_heads * (size_t)w->rows * gl_row_bytes(w->type, w->cols);
+}
+
 static void t_heads(void *ctx, int g, int task, int worker) {
     op *o = ctx;
     int H = o->e->m->hp.n_heads, h1 = (task + 1) * o->heads_per_task;
@@ -6696,11 +6711,8 @@ static void op_heads(op *o, region *rg, task_fn fn, int uv) {
     o->head_fn = fn;
     o->heads_per_task = mb->n <= MM_STREAM_MAX_N && W > 1 ? (H + W - 1) / W : 1;
     if (mb->phase == PHASE_DECODE) {   /* every head's product over each group's rows */
-        const layer_w *L = &o->e->m->layers[o->layer];
-        const layer_q8 *Q = op_q8(o);
-        const gl_mat *w = uv ? (Q ? &Q->w_uv[0] : &L->w_uv[0]) : (Q ? &Q->w_uk_t[0] : &L->w_uk_t[0]);
-        if (o->e->fuse_groups && mb->n_groups > 1) roof_count(o->e, w, mb->n, H);
-        else FOR_GROUPS(mb, g) roof_count(o->e, w, mb->groups[g].n, H);
+        if (o->e->fuse_groups && mb->n_groups > 1) roof_count(o->e, head_mat(o, uv), mb->n, H);
+        else FOR_GROUPS(mb, g) roof_count(o->e, head_mat(o, uv), mb->groups[g].n, H);
     }
     int tasks = (H + o->heads_per_task - 1) / o->heads_per_task;
     if (o->e->fuse_groups && mb->n_groups > 1) {
@@ -7492,15 +7504,6 @@ static void t_combine(void *ctx, int en, int c, int worker) {
 }
 
 /* ---- the operations ---- */
-
-/* Bytes of one token's absorbed products over every head (uv: W_uv, else
- * W_uk^T), in the type they are used in: t_absorb's and t_uv's size. */
-static size_t head_bytes(const op *o, int uv) {
-    const layer_w *L = &o->e->m->layers[o->layer];
-    const layer_q8 *Q = op_q8(o);
-    const gl_mat *w = uv ? (Q ? &Q->w_uv[0] : &L->w_uv[0]) : (Q ? &Q->w_uk_t[0] : &L->w_uk_t[0]);
-    return (size_t)o->e->m->hp.n_heads * (size_t)w->rows * gl_row_bytes(w->type, w->cols);
-}
 
 static int attn_stage(op *o, region *rg) {
     microbatch *mb = o->mb;
