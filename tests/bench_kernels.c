@@ -404,6 +404,7 @@ typedef struct {
     const float *x; const int8_t *xq; const float *xs; int ldx;
     float *y;
     int many_products;        /* one region for all n_mats (a MoE layer's experts) */
+    int per_region;           /* ... or for this many at a time (0: all) */
 } mm_bench;
 
 static void mm_bench_task(void *ctx, int task, int worker) {
@@ -443,7 +444,13 @@ static double time_matmul(gl_pool *p, mm_bench *b) {
     b->chunks_per_mat = (b->w[0].rows + b->chunk - 1) / b->chunk;
     const gl_mat *all = b->w;
     double t0 = now();
-    if (b->many_products) gl_pool_run(p, b->chunks_per_mat * b->n_mats, mm_bench_task, b);
+    if (b->many_products && b->per_region > 0)
+        for (int m = 0; m < b->n_mats; m += b->per_region) {
+            b->w = all + m;
+            int k = b->n_mats - m < b->per_region ? b->n_mats - m : b->per_region;
+            gl_pool_run(p, b->chunks_per_mat * k, mm_bench_task, b);
+        }
+    else if (b->many_products) gl_pool_run(p, b->chunks_per_mat * b->n_mats, mm_bench_task, b);
     else
         for (int m = 0; m < b->n_mats; m++) {
             b->w = all + m;
@@ -726,7 +733,7 @@ int main(int argc, char **argv) {
             double mat_bytes = (double)rows * cols * gl_type_size(type);
             int n_mats = (int)(total_mb * 1048576 / mat_bytes) + 1;
             gl_mat *w = make_mats(type, rows, cols, n_mats);
-            mm_run_ctx mc = {{k, w, n_mats, 1, 0, 0, x, xq, xs, cols_max, y, 0}, pn, mat_bytes * n_mats};
+            mm_run_ctx mc = {{k, w, n_mats, 1, 0, 0, x, xq, xs, cols_max, y, 0, 0}, pn, mat_bytes * n_mats};
             const char *tn = type == GL_Q8 ? "q8" : "bf16";
             bw_ctx bc = {&L, pn};
             snprintf(what, sizeof what, "matmul n=1 %s %dx%d (%d mats)", tn, rows, cols, n_mats);
@@ -755,10 +762,19 @@ int main(int argc, char **argv) {
         double mat_bytes = (double)rows * cols * gl_type_size(type);
         int n_mats = (int)(total_mb * 1048576 / mat_bytes) + 1;
         gl_mat *w = make_mats(type, rows, cols, n_mats);
-        mm_run_ctx mc = {{k, w, n_mats, 1, 0, 0, x, xq, xs, cols_max, y, 1}, pn, mat_bytes * n_mats};
+        mm_run_ctx mc = {{k, w, n_mats, 1, 0, 0, x, xq, xs, cols_max, y, 1, 0}, pn, mat_bytes * n_mats};
         bw_ctx bc = {&L, pn};
         snprintf(what, sizeof what, "experts n=1 %s %dx%d, one task each (%d)", type == GL_Q8 ? "q8" : "bf16", rows, cols, n_mats);
         snprintf(vs, sizeof vs, "read bw %dT", threads);
+        paired(what, "GB/s", vs, 7, mm_gbps, &mc, bw_measure, &bc);
+        /* as a decode step meets them: a layer's 6 experts a region, and
+           a 1 MB projection a region (each region's start and end are the
+           step's, and its streams start cold) */
+        mc.b.per_region = 6;
+        snprintf(what, sizeof what, "experts n=1 %s %dx%d, 6 a region", type == GL_Q8 ? "q8" : "bf16", rows, cols);
+        paired(what, "GB/s", vs, 7, mm_gbps, &mc, bw_measure, &bc);
+        mc.b.many_products = 0;
+        snprintf(what, sizeof what, "matmul n=1 %s %dx%d, one a region", type == GL_Q8 ? "q8" : "bf16", rows, cols);
         paired(what, "GB/s", vs, 7, mm_gbps, &mc, bw_measure, &bc);
         free_mats(w, n_mats);
     }
@@ -767,7 +783,7 @@ int main(int argc, char **argv) {
     for (int ti = 0; ti < 2; ti++) {
         int type = types[ti], rows = 2048, cols = 2048, n = quick ? 128 : n_max;
         gl_mat *w = make_mats(type, rows, cols, 1);
-        mm_run_ctx mc = {{k, w, 1, n, 0, 0, x, xq, xs, cols_max, y, 0}, pn, 0};
+        mm_run_ctx mc = {{k, w, 1, n, 0, 0, x, xq, xs, cols_max, y, 0, 0}, pn, 0};
         peak_ctx pc = {&L, type == GL_Q8 ? int8_kind : fma_kind};
         mm_gops(&mc);   /* warm up */
         snprintf(what, sizeof what, "gemm n=%d %s %dx%d", n, type == GL_Q8 ? "q8" : "bf16", rows, cols);
@@ -778,7 +794,7 @@ int main(int argc, char **argv) {
            streams them from DRAM (packing and prefetching show here) */
         int n_mats = (int)(total_mb * 1048576 / ((double)rows * cols * gl_type_size(type))) + 1;
         w = make_mats(type, rows, cols, n_mats);
-        mm_run_ctx mcd = {{k, w, n_mats, n, 0, 0, x, xq, xs, cols_max, y, 0}, pn, 0};
+        mm_run_ctx mcd = {{k, w, n_mats, n, 0, 0, x, xq, xs, cols_max, y, 0, 0}, pn, 0};
         snprintf(what, sizeof what, "gemm n=%d %s %dx%d (%d mats)", n, type == GL_Q8 ? "q8" : "bf16", rows, cols, n_mats);
         paired(what, "GOP/s", type == GL_Q8 ? "int8 peak" : "fp32 FMA peak", 5, mm_gops, &mcd,
                fma_peak > 0 ? peak_measure : NULL, &pc);
@@ -792,7 +808,7 @@ int main(int argc, char **argv) {
             int type = types[ti];
             gl_mat *w = make_mats(type, 2048, 2048, 8);
             for (size_t ni = 0; ni < sizeof ns / sizeof *ns; ni++) {
-                mm_run_ctx mc = {{k, w, 8, ns[ni], 0, 0, x, xq, xs, cols_max, y, 0}, pn, 0};
+                mm_run_ctx mc = {{k, w, 8, ns[ni], 0, 0, x, xq, xs, cols_max, y, 0, 0}, pn, 0};
                 snprintf(what, sizeof what, "sweep %s 2048x2048 n=%d", type == GL_Q8 ? "q8" : "bf16", ns[ni]);
                 double v[5];
                 for (int r = 0; r < 5; r++) v[r] = mm_gops(&mc);
