@@ -5871,6 +5871,9 @@ typedef struct mm_job {
     const gl_kernels *k;
 } mm_job;
 
+/* A matrix's bytes as stored (block formats by their blocks). */
+static size_t mat_bytes(const gl_mat *w) { return (size_t)w->rows * gl_row_bytes(w->type, w->cols); }
+
 static void mm_chunk_task(void *ctx, int arg, int c, int worker) {
     (void)arg; (void)worker;
     mm_job *jb = ctx;
@@ -5898,7 +5901,7 @@ static void mm_chunk_task(void *ctx, int arg, int c, int worker) {
 /* Adds job jb (which must stay alive until the region has run). */
 static void region_add_mm(region *rg, int n_workers, mm_job *jb, int device) {
     if (jb->n <= 0) return;
-    size_t bytes = (size_t)jb->w->rows * gl_row_bytes(jb->w->type, jb->w->cols);
+    size_t bytes = mat_bytes(jb->w);
     /* ~256 KB of weights a task, at least two tasks a worker -- but a
        product of up to 16 tokens (decode) streams its weights, and each task
        is a stream that starts cold, paying again for its tokens' set-up
@@ -6503,7 +6506,7 @@ static mm_job *op_job(op *o) {
 /* `times` decode products of w over n rows, for the roofline (cm384_stats):
  * their bytes as stored (block formats by their blocks) and multiply-adds. */
 static void roof_count(struct cm384_engine *e, const gl_mat *w, int n, int times) {
-    uint64_t bytes = (uint64_t)w->rows * gl_row_bytes(w->type, w->cols) * (uint64_t)times;
+    uint64_t bytes = (uint64_t)mat_bytes(w) * (uint64_t)times;
     uint64_t values = (uint64_t)w->rows * (uint64_t)w->cols * (uint64_t)times;
     int i = n < CM384_ROOF_ROWS ? n - 1 : CM384_ROOF_ROWS - 1;
     atomic_fetch_add_explicit(&e->roof_bytes[i], bytes, memory_order_relaxed);
@@ -6675,7 +6678,6 @@ static dev_group head_rows(const microbatch *mb, int g) {
     return all;
 }
 
-/* A run of o->heads_per_task heads of a per-head product, in order. */
 /* Head 0's absorbed product (uv: W_uv, else W_uk^T) in the type it is used
  * in; every head's has its shape and type. */
 static const gl_mat *head_mat(const op *o, int uv) {
@@ -6688,9 +6690,10 @@ static const gl_mat *head_mat(const op *o, int uv) {
  * t_uv's size. */
 static size_t head_bytes(const op *o, int uv) {
     const gl_mat *w = head_mat(o, uv);
-    return (size_t)o->e->m->hp.n_heads * (size_t)w->rows * gl_row_bytes(w->type, w->cols);
+    return (size_t)o->e->m->hp.n_heads * mat_bytes(w);
 }
 
+/* A run of o->heads_per_task heads of a per-head product, in order. */
 static void t_heads(void *ctx, int g, int task, int worker) {
     op *o = ctx;
     int H = o->e->m->hp.n_heads, h1 = (task + 1) * o->heads_per_task;
